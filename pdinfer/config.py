@@ -1,0 +1,189 @@
+"""One typed config tree. Frozen dataclasses, validated in ``__post_init__`` with real errors.
+
+No torch import here: the scheduler reads ``SchedulerConfig`` and must stay torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdinfer import env
+from pdinfer.engine_type import EngineType
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    engine_type: int  # EngineType value; an int because it crosses process boundaries
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    chunked_prefill: bool = False
+    stop_preempted_request: bool = False
+    prefill_attempt_interval: int = 70
+    prefill_any_attempt_interval: int = 100
+    prefill_kv_watermark: float = 0.95
+
+    def __post_init__(self) -> None:
+        role = EngineType.from_int(self.engine_type)
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                     "prefill_attempt_interval", "prefill_any_attempt_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}): without chunked prefill the longest "
+                "prompt must fit in one step; raise max_num_batched_tokens, lower max_model_len, "
+                "or enable chunked_prefill"
+            )
+        if role is EngineType.COMPLETION and not self.stop_preempted_request:
+            raise ValueError(
+                "a COMPLETION engine cannot recompute preempted requests (it has no prefill "
+                "channel); it must run with stop_preempted_request=True (--stop-preempted-request)"
+            )
+
+    @property
+    def role(self) -> EngineType:
+        return EngineType.from_int(self.engine_type)
+
+    @property
+    def prompt_limit(self) -> int:
+        if self.chunked_prefill:
+            return self.max_model_len
+        return min(self.max_model_len, self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None  # fixed count (tests); else sized from the memory budget
+    kv_cache_memory_bytes: int | None = None  # CPU budget for KV + activations
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    engine_type: int
+    data_parallel_size: int = 1
+    context_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        role = EngineType.from_int(self.engine_type)
+        if self.data_parallel_size < 1 or self.context_parallel_size < 1:
+            raise ValueError("parallel sizes must be >= 1")
+        if role is EngineType.COMPLETION and self.context_parallel_size > 1:
+            raise ValueError(
+                "context parallelism is refused for a COMPLETION engine: a decode step has one "
+                "query token per sequence, so splitting its context over ranks only adds traffic"
+            )
+
+
+def default_kv_cache_memory_bytes() -> int:
+    """CPU default: a quarter of physical memory, at most 4 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 * GiB
+    return int(min(4 * GiB, total // 4))
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user can set on an engine. ``create_*`` turn it into the frozen configs."""
+
+    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
+    tokenizer: str | None = None
+    load_format: str = "auto"  # "auto" or "dummy"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    seed: int = 0
+    engine_type: EngineType | int | str = EngineType.NORMAL
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 128
+    chunked_prefill: bool = False
+    stop_preempted_request: bool | None = None  # None: True for COMPLETION, False otherwise
+    context_parallel_size: int = 1
+    data_parallel_size: int = 1
+    num_draft_tokens: int = 0
+    enforce_eager: bool = False
+    num_threads: int | None = None  # torch intra-op threads on CPU
+    kv_transfer: dict[str, Any] = field(default_factory=dict)  # P/D connector settings
+    # Resolved in __post_init__ from the role and the environment:
+    zero_overhead_scheduling: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.engine_type = EngineType.parse(self.engine_type)
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if self.stop_preempted_request is None:
+            self.stop_preempted_request = self.engine_type is EngineType.COMPLETION
+        # The role supplies defaults; an operator's explicit environment value wins.
+        env.set_role_default(
+            "PDINFER_ZERO_OVERHEAD_SCHEDULING",
+            "1" if self.engine_type.default_zero_overhead_scheduling else "0",
+        )
+        self.zero_overhead_scheduling = bool(env.rearm("PDINFER_ZERO_OVERHEAD_SCHEDULING"))
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+
+    @property
+    def role(self) -> EngineType:
+        assert isinstance(self.engine_type, EngineType)
+        return self.engine_type
+
+    def create_scheduler_config(self, model_max_len: int) -> SchedulerConfig:
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's context ({model_max_len})"
+            )
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if self.chunked_prefill else max(max_model_len, 4096)
+        return SchedulerConfig(
+            engine_type=self.role.value,
+            max_num_batched_tokens=budget,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            chunked_prefill=self.chunked_prefill,
+            stop_preempted_request=bool(self.stop_preempted_request),
+            prefill_attempt_interval=env.get("PDINFER_PREFILL_ATTEMPT_INTERVAL"),
+            prefill_any_attempt_interval=env.get("PDINFER_PREFILL_ANY_ATTEMPT_INTERVAL"),
+            prefill_kv_watermark=env.get("PDINFER_PREFILL_KV_WATERMARK"),
+        )
+
+    def create_cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_blocks=self.num_kv_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory or default_kv_cache_memory_bytes(),
+            gpu_memory_utilization=self.gpu_memory_utilization,
+        )
+
+    def create_parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            engine_type=self.role.value,
+            data_parallel_size=self.data_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+        )

@@ -1,0 +1,184 @@
+"""Paged KV blocks: reference counts, prefix caching over full blocks, copy-on-write.
+
+A block is free when its reference count is 0. A free block may still hold the K/V of a
+full, hashed block; a later prompt with the same prefix takes it back without recomputing.
+Free blocks are reused least-recently-freed first, so popular prefixes stay longest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from pdinfer.sequence import Sequence
+
+
+def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """Hash of a full block given its parent's hash: equal hashes mean equal prefixes.
+
+    Stable across processes and hosts (the KV store and the router rely on that).
+    """
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+ROOT_HASH = b"pdinfer-kv-root!"
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+        self.num_total_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_prefix_queries = 0  # tokens looked up
+        self.num_prefix_hits = 0  # tokens found cached
+
+    # --- counts ----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- raw blocks ------------------------------------------------------------------------
+    def allocate_blocks(self, count: int) -> list[int]:
+        """Take ``count`` blocks (reference 1 each); raises if fewer are free."""
+        if count > self.num_free_blocks:
+            raise RuntimeError(f"asked for {count} KV blocks, {self.num_free_blocks} free")
+        return [self._take_free_block() for _ in range(count)]
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        # Tail blocks first: they are the least likely to be shared by a later prefix.
+        for block_id in reversed(block_ids):
+            self._decref(block_id)
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        old = self.block_hash[block_id]
+        if old is not None:
+            if self.hash_to_block.get(old) == block_id:
+                del self.hash_to_block[old]
+            self.block_hash[block_id] = None
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def _incref(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            del self.free_block_ids[block_id]
+        self.ref_counts[block_id] += 1
+
+    def _decref(self, block_id: int) -> None:
+        if self.ref_counts[block_id] <= 0:
+            raise RuntimeError(f"block {block_id} freed twice")
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            self.free_block_ids[block_id] = None
+
+    # --- prefix caching --------------------------------------------------------------------
+    def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
+        """Hash the sequence's full blocks of known tokens up to ``num_tokens``."""
+        bs = self.block_size
+        num_full = min(num_tokens, len(seq.token_ids)) // bs
+        hashes = seq.block_hashes
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest prefix of ``seq``; at least one token stays to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks * self.block_size)
+        hits = []
+        for h in seq.block_hashes[:max_blocks]:
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Publish the sequence's full blocks whose K/V is computed (or being computed now)."""
+        if not self.enable_prefix_caching:
+            return
+        covered = min(seq.num_computed_tokens, len(seq.token_ids))
+        self._extend_hashes(seq, covered)
+        for i in range(min(covered // self.block_size, len(seq.block_table))):
+            block_id = seq.block_table[i]
+            if self.block_hash[block_id] is not None:
+                continue
+            h = seq.block_hashes[i]
+            if h not in self.hash_to_block:
+                self.hash_to_block[h] = block_id
+                self.block_hash[block_id] = h
+
+    # --- prefill ---------------------------------------------------------------------------
+    def num_blocks_needed(self, seq: Sequence, hits: list[int], num_tokens: int) -> int:
+        """Free blocks consumed if ``seq`` (taking ``hits`` first) must cover ``num_tokens``."""
+        held = len(seq.block_table) if seq.block_table else len(hits)
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0) if not seq.block_table else 0
+        return max(0, self.blocks_for(num_tokens) - held) + revived
+
+    def allocate_prefill(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
+        """Give ``seq`` blocks covering ``num_tokens`` tokens; a fresh one takes ``hits`` first."""
+        if not seq.block_table and hits:
+            for block_id in hits:
+                self._incref(block_id)
+            seq.block_table = list(hits)
+            seq.num_computed_tokens = len(hits) * self.block_size
+            self.num_prefix_hits += seq.num_computed_tokens
+        missing = self.blocks_for(num_tokens) - len(seq.block_table)
+        if missing > 0:
+            seq.block_table.extend(self.allocate_blocks(missing))
+
+    # --- decode ----------------------------------------------------------------------------
+    def can_append_slot(self, seq: Sequence) -> bool:
+        return self._append_cost(seq) <= self.num_free_blocks
+
+    def _append_cost(self, seq: Sequence) -> int:
+        position = seq.num_computed_tokens  # the slot this decode writes
+        index = position // self.block_size
+        if index >= len(seq.block_table):
+            return 1
+        return 1 if self.ref_counts[seq.block_table[index]] > 1 else 0
+
+    def append_slot(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Make room for one more token; returns block copies (copy-on-write) to apply first."""
+        index = seq.num_computed_tokens // self.block_size
+        if index >= len(seq.block_table):
+            seq.block_table.extend(self.allocate_blocks(1))
+            return []
+        copy = self.copy_on_write(seq, index)
+        return [copy] if copy else []
+
+    def copy_on_write(self, seq: Sequence, index: int) -> tuple[int, int] | None:
+        """Give ``seq`` a private copy of its block ``index`` if the block is shared."""
+        block_id = seq.block_table[index]
+        if self.ref_counts[block_id] <= 1:
+            return None
+        new_block = self.allocate_blocks(1)[0]
+        self._decref(block_id)
+        seq.block_table[index] = new_block
+        return block_id, new_block
+
+    def share(self, block_ids: list[int]) -> list[int]:
+        """Add a reference to each block (a fork reading the same prefix)."""
+        for block_id in block_ids:
+            self._incref(block_id)
+        return list(block_ids)
+
+    def free(self, seq: Sequence) -> None:
+        self.free_blocks(seq.block_table)
+        seq.block_table = []

@@ -1,0 +1,291 @@
+"""Role-aware continuous-batching scheduler (pure Python).
+
+A step is either a prefill step (``prompt_run``) or a decode step, never both:
+- PROMPT engines only prefill (an empty prompt_run plan when nothing waits, never None);
+- COMPLETION engines only decode (sequences arrive through ``prompted``);
+- NORMAL engines decide per step, by the DP vote at ALL/ANY points (see ``_schedule_normal``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from pdinfer.config import SchedulerConfig
+from pdinfer.core.block_manager import BlockManager
+from pdinfer.core.dp import DPGroup, SingleProcessDPGroup
+from pdinfer.core.outputs import SchedulerOutputs
+from pdinfer.engine_type import EngineType
+from pdinfer.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("pdinfer")
+
+PREEMPTED_ERROR = (
+    "preempted: the KV cache ran out of blocks and this engine stops preempted requests "
+    "(stop_preempted_request); retry, or give the engine more KV memory"
+)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, dp_group: DPGroup | None = None):
+        self.config = config
+        self.engine_type = EngineType.from_int(config.engine_type)
+        self.block_manager = block_manager
+        self.dp_group: DPGroup = dp_group or SingleProcessDPGroup()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prompted: deque[tuple[Sequence, bool]] = deque()  # (sequence, forked)
+        self.finished: list[Sequence] = []  # finished since the last plan; finalized with it
+        self.decode_step = 0  # decode steps since the last prefill step (NORMAL)
+        self.num_preemptions = 0
+
+    # --- entry points ------------------------------------------------------------------------
+    def add_sequence(self, seq: Sequence) -> None:
+        seq.arrival_time = time.monotonic()
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_prompted(self, seq: Sequence, forked: bool = False) -> None:
+        """A sequence whose prefix K/V is already in its blocks (e.g. handed over by a PE)."""
+        if seq.num_computed_tokens != seq.num_tokens - 1 or not seq.block_table:
+            raise ValueError(f"{seq} is not ready to decode: needs all but its last token computed")
+        seq.status = SequenceStatus.PROMPTED
+        self.prompted.append((seq, forked))
+
+    def fork_seq(
+        self,
+        seq: Sequence,
+        blocks: list[int] | None = None,
+        *,
+        replace_last_token_id: int | None = None,
+        index: int | None = None,
+        seed: int | None = None,
+    ) -> Sequence:
+        """A new sequence continuing ``seq``'s computed prefix.
+
+        ``blocks=None`` shares ``seq``'s blocks (the last, partly written one is copied before
+        the fork first writes, see ``_schedule_decode``); an explicit list hands those blocks,
+        which must already hold the prefix, to the fork (the shape of a P/D hand-off).
+        """
+        if seq.num_computed_tokens <= 0:
+            raise ValueError("Cannot fork a sequence without a computed prefix")
+        fork = Sequence(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            sampling_params=seq.sampling_params,
+            seed=seq.seed if seed is None else seed,
+            index=seq.index if index is None else index,
+            arrival_time=seq.arrival_time,
+            max_tokens=seq.max_tokens,
+            eos_token_ids=seq.eos_token_ids,
+        )
+        fork.token_ids = list(seq.token_ids)
+        if replace_last_token_id is not None:
+            fork.token_ids[-1] = replace_last_token_id
+        fork.num_computed_tokens = min(seq.num_computed_tokens, len(fork.token_ids) - 1)
+        num_blocks = self.block_manager.blocks_for(fork.num_computed_tokens)
+        if blocks is None:
+            fork.block_table = self.block_manager.share(seq.block_table[:num_blocks])
+        else:
+            if not blocks:
+                raise ValueError("Cannot fork a sequence without allocated KV blocks")
+            fork.block_table = list(blocks)
+        bs = self.block_manager.block_size
+        fork.block_hashes = seq.block_hashes[: fork.num_computed_tokens // bs]
+        if fork.num_computed_tokens < fork.num_tokens - 1:
+            fork.status = SequenceStatus.WAITING
+            self.waiting.appendleft(fork)
+        else:
+            fork.status = SequenceStatus.PROMPTED
+            self.prompted.append((fork, True))
+        return fork
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Remove every sequence of a request; they are finalized with the next plan."""
+        aborted = [s for s in self.waiting if s.request_id == request_id]
+        aborted += [s for s in self.running if s.request_id == request_id]
+        aborted += [s for s, _ in self.prompted if s.request_id == request_id]
+        if not aborted:
+            return []
+        ids = {s.seq_id for s in aborted}
+        self.waiting = deque(s for s in self.waiting if s.seq_id not in ids)
+        self.running = [s for s in self.running if s.seq_id not in ids]
+        self.prompted = deque((s, f) for s, f in self.prompted if s.seq_id not in ids)
+        for seq in aborted:
+            seq.finish(SequenceStatus.FINISHED_ABORTED, error=seq.error)
+            self.finished.append(seq)
+        return aborted
+
+    def finish_seq(self, seq: Sequence) -> None:
+        """Called when a sequence finished; its blocks are freed when the next plan is finalized."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:  # preempted for recompute while its last token was in flight
+            self.waiting.remove(seq)
+        self.finished.append(seq)
+
+    def free_seq(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+
+    def remove_seq(self, seq: Sequence) -> None:
+        """Forget a sequence without freeing its blocks (a PE hands them over)."""
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.prompted or self.finished)
+
+    # --- the step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutputs:
+        outputs = self._schedule()
+        outputs.finished_seqs, self.finished = self.finished, []
+        return outputs
+
+    def _schedule(self) -> SchedulerOutputs:
+        match self.engine_type:
+            case EngineType.PROMPT:
+                # A PE has no decode channel: even with nothing waiting it returns an (empty)
+                # prefill plan, so the caller never falls through to decode.
+                return self._schedule_prefill()
+            case EngineType.COMPLETION:
+                return self._schedule_decode()
+            case EngineType.NORMAL:
+                return self._schedule_normal()
+        raise RuntimeError(f"unknown engine_type {self.engine_type!r}")
+
+    def _schedule_normal(self) -> SchedulerOutputs:
+        """The DP vote: every rank of the group takes the same step type."""
+        cfg, dp = self.config, self.dp_group
+        is_any_point = self.decode_step != 0 and self.decode_step % cfg.prefill_any_attempt_interval == 0
+        is_all_point = self.decode_step % cfg.prefill_attempt_interval == 0
+        # With nothing to decode on any rank a decode step would idle: treat it as an ANY point,
+        # so the engine never sits idle while a request waits.
+        idle = 1 if not (self.running or self.prompted) else 0
+        if dp.all_reduce_min([idle])[0] == 1:
+            is_any_point = True
+        if not is_any_point and not is_all_point:
+            return self._decode_step()
+        want = self.block_manager.usage() <= cfg.prefill_kv_watermark and bool(self.waiting)
+        if is_any_point:  # prefill if any rank wants
+            do_prefill = dp.all_reduce_min([0 if want else 1])[0] == 0
+        else:  # ALL point: prefill only if every rank wants
+            do_prefill = dp.all_reduce_min([1 if want else 0])[0] == 1
+        if not do_prefill:
+            return self._decode_step()
+        outputs = self._schedule_prefill() if want else None
+        # Second vote: "want" does not guarantee anything was schedulable (max_num_seqs full, no
+        # blocks). If nobody scheduled, everyone decodes -- otherwise "running full + waiting"
+        # would loop on empty prefill steps forever.
+        if dp.all_reduce_min([0 if outputs is not None else 1])[0] == 1:
+            return self._decode_step()
+        self.decode_step = 0
+        if outputs is not None:
+            return outputs
+        # Some other rank prefills: run an empty prefill step alongside it.
+        return SchedulerOutputs(prompt_run=True)
+
+    def _decode_step(self) -> SchedulerOutputs:
+        self.decode_step += 1
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> SchedulerOutputs | None:
+        cfg, bm = self.config, self.block_manager
+        outputs = SchedulerOutputs(prompt_run=True)
+        budget = cfg.max_num_batched_tokens
+        is_chunked = False
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if seq.num_pending_tokens:
+                break  # preempted while its last token was in flight; wait until it lands
+            if seq.num_computed_tokens == 0 and seq.num_tokens > cfg.prompt_limit:
+                self.waiting.popleft()
+                seq.finish(SequenceStatus.FINISHED_IGNORED, error=(
+                    f"prompt of {seq.num_tokens} tokens exceeds the limit of {cfg.prompt_limit} "
+                    f"tokens (max_model_len={cfg.max_model_len}, chunked_prefill={cfg.chunked_prefill}, "
+                    f"max_num_batched_tokens={cfg.max_num_batched_tokens})"))
+                outputs.ignored_seqs.append(seq)
+                continue
+            if len(self.running) + len(self.prompted) + len(outputs.scheduled_seqs) >= cfg.max_num_seqs:
+                break
+            hits = bm.lookup_prefix(seq) if not seq.block_table else []
+            computed = len(hits) * bm.block_size if hits else seq.num_computed_tokens
+            remaining = seq.num_tokens - computed
+            chunk = remaining
+            if chunk > budget:
+                if not cfg.chunked_prefill:
+                    break
+                chunk = budget
+            if bm.num_blocks_needed(seq, hits, computed + chunk) > bm.num_free_blocks:
+                break
+            if not seq.block_table:
+                bm.num_prefix_queries += seq.num_tokens
+            bm.allocate_prefill(seq, hits, computed + chunk)
+            seq.num_cached_tokens = len(hits) * bm.block_size if hits else seq.num_cached_tokens
+            seq.num_computed_tokens = computed + chunk
+            bm.register_full_blocks(seq)
+            budget -= chunk
+            finished_prompt = chunk == remaining
+            if finished_prompt:
+                self.waiting.popleft()
+                seq.num_pending_tokens += 1  # this step samples its next token
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            outputs.add(seq, chunk, do_sample=finished_prompt)
+            if not finished_prompt:
+                is_chunked = True
+            if is_chunked and self.engine_type is EngineType.NORMAL:
+                break  # NORMAL keeps the step short: the next one may be a decode step
+        if self.engine_type is not EngineType.NORMAL or outputs.scheduled_seqs or outputs.ignored_seqs:
+            return outputs
+        return None  # NORMAL with nothing scheduled: _schedule_normal decides
+
+    def _schedule_decode(self) -> SchedulerOutputs:
+        cfg, bm = self.config, self.block_manager
+        outputs = SchedulerOutputs(prompt_run=False)
+        # Handed-over and forked sequences join first; a fork gets its own copy of the last,
+        # partly written block (and of its state slot) before it writes there.
+        while self.prompted and len(self.running) < cfg.max_num_seqs:
+            seq, forked = self.prompted[0]
+            if forked:
+                index = seq.num_computed_tokens // bm.block_size
+                shared = index < len(seq.block_table) and bm.ref_counts[seq.block_table[index]] > 1
+                if shared and bm.num_free_blocks < 1:
+                    break
+                if shared:
+                    outputs.clone_blocks.append(bm.copy_on_write(seq, index))
+            self.prompted.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        # Decode in arrival order; when blocks run out, preempt the latest arrival (LCFS).
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if seq.reached_max_tokens or seq.num_tokens >= cfg.max_model_len:
+                continue  # finishes when its in-flight token lands; nothing more to compute
+            while not bm.can_append_slot(seq):
+                victim = self.running[-1]
+                self._preempt(victim, outputs)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            outputs.clone_blocks.extend(bm.append_slot(seq))
+            seq.num_computed_tokens += 1
+            seq.num_pending_tokens += 1
+            bm.register_full_blocks(seq)
+            outputs.add(seq, 1, do_sample=True)
+        return outputs
+
+    def _preempt(self, seq: Sequence, outputs: SchedulerOutputs) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        self.num_preemptions += 1
+        outputs.preempted_seqs.append(seq)
+        if self.config.stop_preempted_request:
+            seq.finish(SequenceStatus.FINISHED_PREEMPTED, error=PREEMPTED_ERROR)
+            return
+        # Recompute later: back to the front of the queue, its cached blocks may still hit.
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)

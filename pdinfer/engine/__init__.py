@@ -1,0 +1,1 @@
+"""The step loop, the role hooks (LLMEngine), the PE/CE subclasses and the offline LLM API."""

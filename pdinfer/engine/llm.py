@@ -1,0 +1,83 @@
+"""The offline batch API: ``LLM().generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence as SequenceABC
+
+from pdinfer.config import EngineArgs
+from pdinfer.engine.llm_engine import LLMEngine
+from pdinfer.outputs import RequestOutput
+from pdinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("pdinfer")
+
+_batch_ids = itertools.count()
+
+
+class LLM:
+    """``LLM()`` loads the embedded default model; ``LLM(model=path, **engine_args)`` another."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt, in order. A prompt is text or
+        ``{"prompt_token_ids": [...]}``. Bad input raises ``ValueError`` before anything runs;
+        a prompt the scheduler refuses (too long) comes back with ``.error`` set."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, SequenceABC) or not prompts:
+            raise ValueError("prompts must be a non-empty list of prompts")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        for prompt, p in zip(prompts, params):  # validate everything before adding anything
+            self.engine.tokenize(prompt)
+            p.verify()
+        batch = next(_batch_ids)
+        ids = [f"llm-{batch}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params):
+            self.engine.add_request(request_id, prompt, p)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """``messages``: one conversation (a list of {"role", "content"}) or a list of them."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        wanted = set(ids)
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted and output.request_id not in final:
+                        final[output.request_id] = output
+                        bar.update(1)
+                        if output.error:
+                            logger.warning("request %s: %s", output.request_id, output.error)
+        except BaseException:
+            for request_id in wanted - final.keys():
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [final[i] for i in ids]

@@ -1,0 +1,309 @@
+"""``LLMEngine``: one class, three roles. The step loop and the hook points of the seed.
+
+``step()`` calls, in this order: schedule -> post_schedule -> (decode) should_copy_state /
+do_copy_state -> [a PROMPT step must be a prompt_run] -> launch forward + sampling ->
+pre_sampler_sync (decode: wait copy_state_event, do_save_kvcache; prefill:
+pe_prepare_save_kvcache; COMPLETION/NORMAL: finalize_seq of finished) -> wait for sampling ->
+post_process (prefill: pe_do_save_kvcache; PROMPT: send_processed_prompts).
+With zero-overhead scheduling the post_process of step N runs after step N+1 was launched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from pdinfer import env
+from pdinfer.config import EngineArgs
+from pdinfer.core.block_manager import BlockManager
+from pdinfer.core.dp import DPGroup
+from pdinfer.core.outputs import SchedulerOutputs
+from pdinfer.core.scheduler import Scheduler
+from pdinfer.engine.output_processor import OutputProcessor
+from pdinfer.engine.request import RequestState
+from pdinfer.engine.step_builder import StepBuilder
+from pdinfer.engine_type import EngineType
+from pdinfer.models.loader import load_tokenizer, resolve_model
+from pdinfer.models.spec import ModelSpec
+from pdinfer.outputs import RequestOutput
+from pdinfer.sampling_params import SamplingParams
+from pdinfer.sequence import Sequence
+from pdinfer.worker.model_runner import ModelRunner, StepExecutor
+from pdinfer.worker.step_input import StepInput
+
+logger = logging.getLogger("pdinfer")
+
+
+@dataclass
+class InFlight:
+    plan: SchedulerOutputs
+    inp: StepInput
+    owners: list[tuple[Sequence, int]]
+    future: Future
+
+
+class LLMEngine:
+    def __init__(self, engine_args: EngineArgs, dp_group: DPGroup | None = None):
+        self.args = engine_args
+        self.engine_type: EngineType = engine_args.role
+        self.parallel_config = engine_args.create_parallel_config()  # refuses CP for COMPLETION
+        self.device, self.dtype = _device_and_dtype(engine_args)
+        if self.device.type == "cpu" and engine_args.num_threads:
+            torch.set_num_threads(engine_args.num_threads)
+        self.model_folder, hf_config = resolve_model(engine_args.model, env.get("PDINFER_CACHE_DIR"))
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.scheduler_config = engine_args.create_scheduler_config(self.spec.max_position_embeddings)
+        self.cache_config = engine_args.create_cache_config()
+        tokenizer_source = engine_args.tokenizer if engine_args.tokenizer != engine_args.model else None
+        self.tokenizer = load_tokenizer(self.model_folder, tokenizer_source)
+        self.model_runner = ModelRunner(self.spec, self.model_folder, engine_args.load_format,
+                                        self.dtype, self.device, self.engine_type, engine_args.seed)
+        self.zero_overhead = engine_args.zero_overhead_scheduling
+        self.use_cuda_graph = (self.device.type == "cuda" and not engine_args.enforce_eager
+                               and not env.get("PDINFER_ENFORCE_EAGER")
+                               and self.engine_type is not EngineType.PROMPT)
+        self._init_cache()
+        self.block_manager = BlockManager(self.num_blocks, self.cache_config.block_size,
+                                          self.cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, dp_group)
+        self.executor = StepExecutor(self.model_runner, overlap=self.zero_overhead)
+        self.step_builder = StepBuilder()
+        self.output_processor = OutputProcessor(self)
+        self.requests: dict[str, RequestState] = {}
+        self.copy_state: dict[int, tuple[int, torch.Tensor]] | None = {}
+        self.copy_state_event: Future | None = None
+        self._inflight: InFlight | None = None
+        self._ready_outputs: list[RequestOutput] = []
+        self._step_log = env.get("PDINFER_STEP_LOG")
+        logger.info("%s engine ready: %s, %d KV blocks of %d tokens, zero-overhead scheduling %s",
+                    self.name, self.spec.architecture, self.num_blocks, self.cache_config.block_size,
+                    "on" if self.zero_overhead else "off")
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine_type.name}_{self.device.type}"
+
+    def _init_cache(self) -> None:
+        cc, sc = self.cache_config, self.scheduler_config
+        if cc.num_blocks is not None:
+            self.num_blocks = cc.num_blocks
+        else:
+            self.num_blocks = self.model_runner.profile_num_blocks(
+                cc.kv_cache_memory_bytes, cc.block_size, sc.max_num_batched_tokens,
+                sc.max_num_seqs, self.args.num_draft_tokens)
+        self.model_runner.init_cache(self.num_blocks, cc.block_size)
+        if self.engine_type is not EngineType.NORMAL:
+            # After the KV cache exists (a connector may register it), before graph capture.
+            self.init_pd_split()
+
+    # --- the hooks (base implementations are the seed's defaults) ---------------------------------
+    def init_pd_split(self) -> None:
+        pass
+
+    def post_schedule(self, outputs: SchedulerOutputs) -> None:
+        pass
+
+    def should_copy_state(self, seq: Sequence) -> bool:
+        return False
+
+    def do_copy_state(self, seqs: list[Sequence]) -> None:
+        """Snapshot the given sequences' K/V (their state) into ``copy_state``; launch only.
+
+        The copy runs in step order; ``pre_sampler_sync`` waits for ``copy_state_event``
+        before ``do_save_kvcache`` reads the snapshot.
+        """
+        if self.copy_state is None:
+            return
+        jobs = [(seq.seq_id, seq.num_computed_tokens - 1, list(seq.block_table)) for seq in seqs]
+
+        def copy() -> None:
+            for seq_id, num_tokens, blocks in jobs:
+                self.copy_state[seq_id] = (num_tokens, self.model_runner.cache.read_blocks(blocks))
+
+        self.copy_state_event = self.executor.submit_call(copy)
+
+    def do_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
+        pass
+
+    def pe_prepare_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
+        pass
+
+    def pe_do_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
+        pass
+
+    def send_processed_prompts(self) -> None:
+        pass
+
+    def finalize_seq(self, seq: Sequence) -> None:
+        self.scheduler.free_seq(seq)
+        self.step_builder.forget(seq)
+        if self.copy_state is not None:
+            self.copy_state.pop(seq.seq_id, None)
+
+    # --- requests ----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
+                    arrival_time: float | None = None, enqueue: bool = True) -> Sequence:
+        """Create a request's first sequence; ``enqueue=False`` leaves it out of the scheduler
+        (a CE builds it, reserves blocks and enqueues it once its K/V has arrived)."""
+        params = sampling_params or SamplingParams()
+        params.verify()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize(prompt)
+        room = self.scheduler_config.max_model_len - len(token_ids)
+        max_tokens = max(1, min(params.max_tokens or room, room))
+        seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
+                       seed=params.resolved_seed(), max_tokens=max_tokens,
+                       eos_token_ids=() if params.ignore_eos else self.eos_token_ids)
+        state = RequestState(request_id, text, token_ids, params, [seq])
+        if arrival_time is not None:
+            state.arrival_time = arrival_time
+        self.output_processor.start(seq)
+        self.requests[request_id] = state
+        if enqueue:
+            self.scheduler.add_sequence(seq)
+        return seq
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+            return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+        if isinstance(prompt, list):
+            return None, self._check_token_ids(prompt)
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt is text or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+        return prompt, self._check_token_ids(self.tokenizer(prompt).input_ids)
+
+    def _check_token_ids(self, token_ids) -> list[int]:
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.spec.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return token_ids
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.spec.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        self.scheduler.abort(request_id)
+        for seq in state.seqs:
+            if not seq.is_finished:  # not in the scheduler (e.g. a CE sequence not yet enqueued)
+                self.output_processor.abort(seq)
+        state.error = state.error or "aborted"
+        self._ready_outputs.append(self._report(state))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.has_unfinished_seqs() or self._inflight or self._ready_outputs)
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    # --- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self.post_schedule(plan)
+        if not plan.prompt_run:
+            to_copy = [seq for seq in plan.scheduled_seqs if self.should_copy_state(seq)]
+            if to_copy:
+                self.do_copy_state(to_copy)
+        if self.engine_type is EngineType.PROMPT and not plan.prompt_run:
+            # A decode step on a PE would skip pe_do_save_kvcache: its hand-off would be lost.
+            raise RuntimeError("a PROMPT engine scheduled a decode step")
+        self._log_step(plan)
+        inflight = self._launch(plan)
+        self.pre_sampler_sync(plan)
+        outputs, self._ready_outputs = self._ready_outputs, []
+        outputs += self.output_processor.scheduler_outputs(plan)
+        if self.zero_overhead:
+            previous, self._inflight = self._inflight, inflight
+        else:
+            previous = inflight
+        if previous is not None:
+            outputs += self._post_process_step(previous)
+        return outputs
+
+    def _launch(self, plan: SchedulerOutputs) -> InFlight | None:
+        if plan.is_empty and not plan.clone_blocks:
+            return None
+        inp, owners = self.step_builder.build(plan)
+        return InFlight(plan, inp, owners, self.executor.launch(inp))
+
+    def pre_sampler_sync(self, plan: SchedulerOutputs) -> None:
+        if not plan.prompt_run:
+            if self.copy_state_event is not None:
+                self.copy_state_event.result()
+                self.copy_state_event = None
+            self.do_save_kvcache(plan.scheduled_seqs, plan.finished_seqs)
+        else:
+            self.pe_prepare_save_kvcache(plan.scheduled_seqs, plan.finished_seqs)
+        if self.engine_type in (EngineType.COMPLETION, EngineType.NORMAL):
+            # PROMPT never finalizes: its sequences are handed over, and their blocks are freed
+            # only once the hand-over is confirmed.
+            for seq in plan.finished_seqs:
+                self.finalize_seq(seq)
+
+    def _post_process_step(self, inflight: InFlight) -> list[RequestOutput]:
+        result = inflight.future.result()  # the sampling sync
+        return self.post_process(inflight, result)
+
+    def post_process(self, inflight: InFlight, result) -> list[RequestOutput]:
+        outputs = self.output_processor.process(inflight, result)
+        plan = inflight.plan
+        if plan.prompt_run:
+            self.pe_do_save_kvcache(plan.scheduled_seqs, plan.finished_seqs)
+        if self.engine_type is EngineType.PROMPT:
+            self.send_processed_prompts()
+        return outputs
+
+    def _report(self, state: RequestState) -> RequestOutput:
+        output = state.make_output()
+        if output.finished:
+            self.requests.pop(state.request_id, None)
+        return output
+
+    def _log_step(self, plan: SchedulerOutputs) -> None:
+        if self._step_log:
+            with open(self._step_log, "a") as f:
+                f.write(f"{plan.step_type} {len(plan.scheduled_seqs)}\n")
+
+    def shutdown(self) -> None:
+        if self._inflight is not None:
+            self._inflight.future.result()
+            self._inflight = None
+        self.executor.shutdown()
+
+
+def _device_and_dtype(args: EngineArgs) -> tuple[torch.device, torch.dtype]:
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    if args.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+        if args.dtype not in names:
+            raise ValueError(f"dtype must be auto or one of {list(names)}, got {args.dtype!r}")
+        dtype = names[args.dtype]
+    if device.type == "cpu" and args.num_threads is None and os.cpu_count():
+        torch.set_num_threads(os.cpu_count() or 1)
+    return device, dtype
+

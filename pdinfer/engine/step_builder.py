@@ -1,0 +1,73 @@
+"""Snapshot a scheduler plan into a ``StepInput`` (plain lists) for the model runner."""
+
+from __future__ import annotations
+
+from pdinfer.core.outputs import SchedulerOutputs
+from pdinfer.engine.request import fork_seed
+from pdinfer.sequence import Sequence
+from pdinfer.worker.model_runner import PENDING_TOKEN
+from pdinfer.worker.step_input import SampleSpec, StepInput
+
+
+class StepBuilder:
+    """Also remembers which step sampled each sequence's newest token (for pending tokens)."""
+
+    def __init__(self) -> None:
+        self.next_step_id = 0
+        self.last_sample: dict[int, tuple[int, int]] = {}  # seq_id -> (step id, sample index)
+
+    def build(self, plan: SchedulerOutputs) -> tuple[StepInput, list[tuple[Sequence, int]]]:
+        """The step input, and for each sample the sequence it belongs to and which copy it is."""
+        step_id = self.next_step_id
+        self.next_step_id += 1
+        inp = StepInput(step_id=step_id, is_prompt=plan.prompt_run, input_ids=[], positions=[],
+                        query_lens=[], context_lens=[], block_tables=[],
+                        clone_blocks=list(plan.clone_blocks))
+        owners: list[tuple[Sequence, int]] = []
+        for seq, num_tokens, do_sample in zip(plan.scheduled_seqs, plan.num_scheduled_tokens, plan.do_sample):
+            self._add_seq(inp, owners, seq, num_tokens, do_sample)
+        return inp, owners
+
+    def _add_seq(self, inp: StepInput, owners: list, seq: Sequence, num_tokens: int, do_sample: bool) -> None:
+        end = seq.num_computed_tokens  # already advanced by the scheduler
+        start = end - num_tokens
+        first_row = len(inp.input_ids)
+        pending_ref = None
+        for pos in range(start, end):
+            if pos < len(seq.token_ids):
+                inp.input_ids.append(seq.token_ids[pos])
+            else:
+                # Sampled by the step in flight; the runner reads it from that step's output.
+                pending_ref = self.last_sample[seq.seq_id]
+                inp.pending.append((len(inp.input_ids), *pending_ref))
+                inp.input_ids.append(-1)
+            inp.positions.append(pos)
+        inp.query_lens.append(num_tokens)
+        inp.context_lens.append(end)
+        inp.block_tables.append(list(seq.block_table))
+        if not do_sample:
+            return
+        row = first_row + num_tokens - 1
+        # n > 1: the prompt is computed once and sampled n times; outputs 1..n-1 become forks.
+        copies = seq.sampling_params.n if (inp.is_prompt and seq.num_output_tokens == 1 and seq.index == 0) else 1
+        self.last_sample[seq.seq_id] = (inp.step_id, len(inp.samples))
+        for copy in range(copies):
+            seed = fork_seed(seq.seed, copy)
+            inp.samples.append(_sample_spec(seq, row, end, seed, pending=pending_ref is not None))
+            owners.append((seq, copy))
+
+    def forget(self, seq: Sequence) -> None:
+        self.last_sample.pop(seq.seq_id, None)
+
+
+def _sample_spec(seq: Sequence, row: int, position: int, seed: int, pending: bool) -> SampleSpec:
+    p = seq.sampling_params
+    spec = SampleSpec(
+        row=row, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+        seed=seed, position=position, presence=p.presence_penalty,
+        frequency=p.frequency_penalty, repetition=p.repetition_penalty, logprobs=p.logprobs,
+    )
+    if spec.needs_penalties:
+        spec.output_tokens = list(seq.output_token_ids) + ([PENDING_TOKEN] if pending else [])
+        spec.prompt_tokens = list(seq.prompt_token_ids)
+    return spec

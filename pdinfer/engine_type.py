@@ -1,0 +1,49 @@
+"""The three roles one engine class can play (DeepInfer's ``EngineType``)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class EngineType(enum.Enum):
+    """Role of an ``LLMEngine``.
+
+    The integer value crosses process boundaries (DP groups, KV transfer messages, router
+    registration); never insert a member in between, and turn ints back with ``from_int``.
+    """
+
+    NORMAL = 0  # prompts and completions
+    PROMPT = 1  # prompts only (prefill engine, "PE")
+    COMPLETION = 2  # completions only (decode engine, "CE")
+
+    @property
+    def default_zero_overhead_scheduling(self) -> bool:
+        # A PE's steps are large prefills and it must hand requests over at once; delaying
+        # output processing by one step would only add hand-off latency.
+        return self in (EngineType.NORMAL, EngineType.COMPLETION)
+
+    @classmethod
+    def from_int(cls, value: int) -> EngineType:
+        """Validate an int received from elsewhere; an unknown value fails loudly."""
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"engine_type must be an int, got {value!r}")
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"unknown engine_type {value}: expected 0 (NORMAL), 1 (PROMPT) or 2 (COMPLETION)"
+            ) from None
+
+    @classmethod
+    def parse(cls, value: str | int | EngineType) -> EngineType:
+        """Accept an EngineType, its int, or its name in any case ("prompt", "COMPLETION")."""
+        if isinstance(value, EngineType):
+            return value
+        if isinstance(value, int):
+            return cls.from_int(value)
+        name = str(value).strip().upper()
+        if name.isdigit():
+            return cls.from_int(int(name))
+        if name not in cls.__members__:
+            raise ValueError(f"unknown engine role {value!r}: use normal, prompt or completion")
+        return cls[name]

@@ -1,0 +1,152 @@
+"""Every ``PDINFER_*`` environment variable, declared once, typed and documented.
+
+Values are read once into a snapshot at import (reading ``os.environ`` on hot paths is slow and
+makes behaviour depend on when a value was read). A component that changes a variable at run
+time, as ``EngineArgs.__post_init__`` does with role defaults, calls ``rearm(name)`` afterwards.
+A value that does not parse fails loudly, naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (0/1/true/false), got {text!r}")
+
+
+def _parse_positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _parse_fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"expected a number in [0, 1], got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+_VARS: dict[str, EnvVar] = {}
+
+
+def _declare(name: str, parse: Callable[[str], Any], default: Any, doc: str) -> None:
+    _VARS[name] = EnvVar(name, parse, default, doc)
+
+
+_declare(
+    "PDINFER_ZERO_OVERHEAD_SCHEDULING", _parse_bool, None,
+    "Overlap host scheduling/output processing of step N with the forward of step N+1. "
+    "Unset: the role decides (on for NORMAL and COMPLETION, off for PROMPT).",
+)
+_declare(
+    "PDINFER_PREFILL_ATTEMPT_INTERVAL", _parse_positive_int, 70,
+    "NORMAL engines: every this many decode steps is an ALL point, where the DP group "
+    "prefills only if every rank wants to.",
+)
+_declare(
+    "PDINFER_PREFILL_ANY_ATTEMPT_INTERVAL", _parse_positive_int, 100,
+    "NORMAL engines: every this many decode steps is an ANY point, where the DP group "
+    "prefills if any rank wants to (so a lone request never starves).",
+)
+_declare(
+    "PDINFER_PREFILL_KV_WATERMARK", _parse_fraction, 0.95,
+    "NORMAL engines: a rank wants to prefill only while its KV cache usage is at most this.",
+)
+_declare(
+    "PDINFER_ENFORCE_EAGER", _parse_bool, False,
+    "Disable CUDA graphs (GPU only). CUDA graphs are never used by PROMPT engines.",
+)
+_declare(
+    "PDINFER_USE_CUDA_GRAPH", _parse_bool, None,
+    "Unset: the role decides (off for PROMPT, on otherwise, on CUDA only).",
+)
+_declare(
+    "PDINFER_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "pdinfer"),
+    "Where converted model folders (dequantized GGUF) are cached.",
+)
+_declare(
+    "PDINFER_LOG_LEVEL", str, "INFO",
+    "Log level of the pdinfer logger (DEBUG, INFO, WARNING, ERROR).",
+)
+_declare(
+    "PDINFER_STEP_LOG", str, "",
+    "If set, a file path; every engine step appends one line with its step type "
+    "(used by DP tests to compare ranks).",
+)
+
+_snapshot: dict[str, Any] = {}
+
+
+def _read(var: EnvVar) -> Any:
+    raw = os.environ.get(var.name)
+    if raw is None:
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {var.name}={raw!r} is invalid: {exc}") from None
+
+
+def rearm(name: str) -> Any:
+    """Re-read one variable from ``os.environ`` into the snapshot and return its value."""
+    if name not in _VARS:
+        raise KeyError(f"{name} is not a declared pdinfer environment variable")
+    _snapshot[name] = _read(_VARS[name])
+    return _snapshot[name]
+
+
+_role_defaults: dict[str, str] = {}
+
+
+def set_role_default(name: str, value: str) -> None:
+    """``os.environ.setdefault`` that still lets a later engine of another role set its own.
+
+    A value the operator exported wins. A value pdinfer itself set as an earlier engine's role
+    default is replaced: several engines of different roles may share one process (tests, the
+    in-process P/D pair), and the first one's default must not become the second one's.
+    """
+    if name not in _VARS:
+        raise KeyError(f"{name} is not a declared pdinfer environment variable")
+    current = os.environ.get(name)
+    if current is None or _role_defaults.get(name) == current:
+        os.environ[name] = value
+        _role_defaults[name] = value
+
+
+def get(name: str) -> Any:
+    if name not in _VARS:
+        raise KeyError(f"{name} is not a declared pdinfer environment variable")
+    return _snapshot[name]
+
+
+def declared() -> dict[str, EnvVar]:
+    return dict(_VARS)
+
+
+def __getattr__(name: str) -> Any:
+    # ``env.PDINFER_X`` reads the snapshot.
+    if name in _VARS:
+        return _snapshot[name]
+    raise AttributeError(name)
+
+
+for _name in _VARS:
+    rearm(_name)

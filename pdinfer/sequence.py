@@ -1,0 +1,124 @@
+"""A sequence: one stream of tokens the engine computes. A request with ``n > 1`` owns n of them.
+
+Pure Python (the scheduler and block manager read it; no torch here).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdinfer.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PROMPTED = enum.auto()  # prefix computed elsewhere (fork or P/D hand-off), not yet running
+    HANDED_OFF = enum.auto()  # PROMPT engine: prefilled and sent to a completion engine
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()  # refused by the scheduler (e.g. prompt over prompt_limit)
+    FINISHED_PREEMPTED = enum.auto()  # stopped because KV blocks ran out (stop_preempted_request)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "error",
+    SequenceStatus.FINISHED_PREEMPTED: "error",
+}
+
+_seq_ids = itertools.count()
+
+
+def next_seq_id() -> int:
+    return next(_seq_ids)
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    index: int = 0  # which of the request's n outputs
+    arrival_time: float = field(default_factory=time.monotonic)
+    seq_id: int = field(default_factory=next_seq_id)
+    max_tokens: int = 0  # resolved output limit (from max_tokens and the context length)
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        # Tokens whose K/V is in (or being written to) the cache. Advanced when scheduled.
+        self.num_computed_tokens = 0
+        # Sampled by a step that was launched but whose output the host has not processed
+        # (zero-overhead scheduling). The sequence is num_tokens long, token_ids lags behind.
+        self.num_pending_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit of the last prefill, for metrics and tests
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of this sequence's full blocks
+        self.state_id = -1  # slot of per-sequence model state, for models that have one
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.output_text = ""
+        self.output_logprobs: list[dict[int, float]] = []
+        self.cumulative_logprob = 0.0
+        self.detok: Any = None  # incremental detokenizer state, owned by the engine
+        self.num_steps_scheduled = 0
+        self.first_token_time: float | None = None
+        self.handoff: Any = None  # P/D bookkeeping, owned by the PE/CE subclasses
+
+    # --- lengths ---------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def reached_max_tokens(self) -> bool:
+        """No more tokens may be scheduled: the output limit is met counting pending tokens."""
+        return self.num_output_tokens >= self.max_tokens
+
+    # --- state changes -----------------------------------------------------------------------
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def finish(self, status: SequenceStatus, error: str | None = None) -> None:
+        self.status = status
+        self.finish_reason = FINISH_REASONS[status]
+        if error is not None:
+            self.error = error
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, status={self.status.name})"
+        )

@@ -1,0 +1,1 @@
+"""Device work: the model runner, the KV cache tensors, the sampler."""

@@ -1,0 +1,171 @@
+"""Runs the model for one step: inputs to tensors, forward, logits of sampled rows, sampling.
+
+Knows nothing about roles except the few switches the design names (profile shapes, CUDA
+graphs off for PROMPT).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from pdinfer.engine_type import EngineType
+from pdinfer.models.loader import build_model
+from pdinfer.models.spec import ModelSpec
+from pdinfer.worker.cache_engine import CacheEngine, block_bytes
+from pdinfer.worker.input_builder import build_attention_metadata, build_sampling_tensors
+from pdinfer.worker.sampler import Sampler, SamplerOutput
+from pdinfer.worker.step_input import StepInput, StepResult
+
+logger = logging.getLogger("pdinfer")
+
+PENDING_TOKEN = -2  # in a penalty token list: the token the previous step sampled
+
+
+class ModelRunner:
+    def __init__(self, spec: ModelSpec, folder: str, load_format: str, dtype: torch.dtype,
+                 device: torch.device, engine_type: EngineType, seed: int = 0):
+        self.spec = spec
+        self.dtype = dtype
+        self.device = device
+        self.engine_type = engine_type
+        self.model = build_model(spec, folder, load_format, dtype, device, seed)
+        self.sampler = Sampler()
+        self.cache: CacheEngine | None = None
+        # Sampled tokens of the last few steps, on the device, by step id (zero-overhead
+        # scheduling feeds them to the next step before the host has seen them).
+        self._recent: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    # --- KV capacity ---------------------------------------------------------------------------
+    def profile_num_blocks(self, memory_bytes: int, block_size: int, max_num_batched_tokens: int,
+                           max_num_seqs: int, num_draft_tokens: int) -> int:
+        """KV blocks that fit next to the peak activations of this role's largest step.
+
+        PROMPT/NORMAL engines size for a full prefill step, COMPLETION engines for a decode
+        step of ``max_num_seqs * (1 + draft tokens)`` tokens, so a CE gets more blocks.
+        """
+        if self.engine_type is EngineType.COMPLETION:
+            tokens = max_num_seqs * (1 + num_draft_tokens)
+            rows = tokens
+        else:
+            tokens, rows = max_num_batched_tokens, max_num_seqs
+        peak = self.activation_bytes(tokens, rows)
+        per_block = block_bytes(self.spec, block_size, self.dtype)
+        num_blocks = (memory_bytes - peak) // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV memory budget {memory_bytes / 2**20:.0f} MiB is too small: the role's peak "
+                f"step needs {peak / 2**20:.0f} MiB of activations; raise --kv-cache-memory"
+            )
+        return int(num_blocks)
+
+    def activation_bytes(self, num_tokens: int, num_logit_rows: int) -> int:
+        """Peak activation memory of a forward over ``num_tokens`` (an upper estimate on CPU)."""
+        s = self.spec
+        item = torch.empty((), dtype=self.dtype).element_size()
+        qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        per_token = (4 * s.hidden_size + 2 * qkv + 3 * s.intermediate_size) * item
+        logits = num_logit_rows * s.vocab_size * 4 * 4  # logits, probs, noise, sort
+        return num_tokens * per_token + logits
+
+    def init_cache(self, num_blocks: int, block_size: int) -> CacheEngine:
+        self.cache = CacheEngine(self.spec, num_blocks, block_size, self.dtype, self.device)
+        return self.cache
+
+    # --- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, inp: StepInput) -> StepResult:
+        assert self.cache is not None, "init_cache first"
+        self.cache.copy_blocks(inp.clone_blocks)
+        if inp.num_tokens == 0:
+            return StepResult(step_id=inp.step_id, token_ids=[])
+        input_ids = torch.tensor(inp.input_ids, dtype=torch.int64, device=self.device)
+        if inp.pending:
+            self._fill_pending(input_ids, inp)
+        positions = torch.tensor(inp.positions, dtype=torch.int64, device=self.device)
+        meta = build_attention_metadata(inp, self.cache.block_size, self.device)
+        hidden = self.model(input_ids, positions, self.cache.kv, meta)
+        rows = torch.tensor([s.row for s in inp.samples], dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        tensors = build_sampling_tensors(inp.samples, self.spec.vocab_size, self.device)
+        if tensors.output_tokens is not None and inp.pending:
+            self._fill_pending_penalty_tokens(tensors.output_tokens, inp)
+        out = self.sampler(logits, tensors)
+        self._recent[inp.step_id] = out.token_ids
+        while len(self._recent) > 4:
+            self._recent.popitem(last=False)
+        return _to_host(inp.step_id, out)
+
+    def _pending_token(self, step_id: int, index: int) -> torch.Tensor:
+        tokens = self._recent.get(step_id)
+        if tokens is None:
+            raise RuntimeError(f"a pending token refers to step {step_id}, which this runner did not run recently")
+        return tokens[index]
+
+    def _fill_pending(self, input_ids: torch.Tensor, inp: StepInput) -> None:
+        for row, step_id, index in inp.pending:
+            input_ids[row] = self._pending_token(step_id, index)
+
+    def _fill_pending_penalty_tokens(self, tokens: torch.Tensor, inp: StepInput) -> None:
+        pending_of_row = {row: (step_id, index) for row, step_id, index in inp.pending}
+        for i, spec in enumerate(inp.samples):
+            if spec.output_tokens and spec.output_tokens[-1] == PENDING_TOKEN:
+                tokens[i, len(spec.output_tokens) - 1] = self._pending_token(*pending_of_row[spec.row])
+
+
+def _to_host(step_id: int, out: SamplerOutput) -> StepResult:
+    result = StepResult(step_id=step_id, token_ids=out.token_ids.tolist())
+    if out.logprobs is not None:
+        result.logprobs = out.logprobs.tolist()
+    if out.top_ids is not None:
+        result.top_ids = out.top_ids.tolist()
+        result.top_logprobs = out.top_logprobs.tolist()
+    return result
+
+
+class StepExecutor:
+    """Runs steps in order: inline, or on one worker thread (zero-overhead scheduling).
+
+    With a worker thread the host schedules and processes outputs of step N while the forward
+    of step N+1 runs; steps still execute strictly in launch order.
+    """
+
+    def __init__(self, runner: ModelRunner, overlap: bool):
+        self.runner = runner
+        self.overlap = overlap
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdinfer-step") if overlap else None
+        self._lock = threading.Lock()
+
+    def launch(self, inp: StepInput) -> Future:
+        if self._pool is not None:
+            return self._pool.submit(self._run, inp)
+        future: Future = Future()
+        try:
+            future.set_result(self._run(inp))
+        except BaseException as exc:  # noqa: BLE001 - delivered to whoever waits on it
+            future.set_exception(exc)
+        return future
+
+    def _run(self, inp: StepInput) -> StepResult:
+        with self._lock:
+            return self.runner.execute(inp)
+
+    def submit_call(self, fn, *args) -> Future:
+        """Run ``fn`` in step order (after every launched step), e.g. a KV copy."""
+        if self._pool is not None:
+            return self._pool.submit(self._locked, fn, *args)
+        future: Future = Future()
+        future.set_result(self._locked(fn, *args))
+        return future
+
+    def _locked(self, fn, *args):
+        with self._lock:
+            return fn(*args)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,135 @@
+"""Sampling on the device, with no host sync but the sampled tokens.
+
+Order of processing: penalties (repetition, then frequency/presence), temperature, top-k, top-p
+(on the top-k-renormalized distribution), min-p. Randomness is counter-based: the uniform
+number of vocabulary entry v for a token at position p of a request with seed s is a hash of
+(s, p, v), and the token is drawn by an exponential race (argmax p_v / E_v, E_v = -log u_v),
+which picks v with probability exactly p_v. So a seeded request gives the same tokens whatever
+else is in the batch, on any engine role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B
+_GOLDEN = 0x9E3779B1
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix on int64 tensors; products stay below 2**63 (no overflow)."""
+    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
+    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u[i, v] in (0, 1), a pure function of (seeds[i], positions[i], v)."""
+    row = hash32(hash32(seeds & _MASK32) ^ (positions & _MASK32))
+    vocab = (torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * _GOLDEN) & _MASK32
+    h = hash32(row[:, None] ^ vocab[None, :])
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings of one step, already on the device."""
+
+    temperatures: torch.Tensor  # [S] float (0 = greedy)
+    top_k: torch.Tensor  # [S] int64 (vocab size = off)
+    top_p: torch.Tensor  # [S] float
+    min_p: torch.Tensor  # [S] float
+    seeds: torch.Tensor  # [S] int64
+    positions: torch.Tensor  # [S] int64: position of the token being sampled
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    # Penalties (None when no row uses them)
+    presence: torch.Tensor | None = None  # [S]
+    frequency: torch.Tensor | None = None  # [S]
+    repetition: torch.Tensor | None = None  # [S]
+    output_tokens: torch.Tensor | None = None  # [S, Lo] int64, -1 padded
+    prompt_tokens: torch.Tensor | None = None  # [S, Lp] int64, -1 padded
+    max_logprobs: int = -1  # -1: none requested; else top-k logprobs to return
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [S] int64
+    logprobs: torch.Tensor | None = None  # [S] logprob of the sampled token
+    top_ids: torch.Tensor | None = None  # [S, k]
+    top_logprobs: torch.Tensor | None = None  # [S, k]
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_logprobs >= 0 else None
+        if t.presence is not None:
+            logits = apply_penalties(logits, t)
+        if t.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            probs = filtered_probs(logits, t)
+            noise = uniform_noise(t.seeds, t.positions, logits.shape[-1])
+            sampled = (probs / -torch.log(noise)).argmax(dim=-1)
+            tokens = torch.where(t.temperatures == 0, logits.argmax(dim=-1), sampled)
+        out = SamplerOutput(token_ids=tokens)
+        if raw_logprobs is not None:
+            out.logprobs = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+            if t.max_logprobs > 0:
+                out.top_logprobs, out.top_ids = raw_logprobs.topk(t.max_logprobs, dim=-1)
+        return out
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Repetition penalty over prompt and output (as in transformers / vLLM), then
+    OpenAI-style frequency and presence penalties over the output."""
+    assert t.output_tokens is not None and t.prompt_tokens is not None
+    vocab = logits.shape[-1]
+    counts = _token_counts(t.output_tokens, vocab)
+    seen = (counts > 0) | (_token_counts(t.prompt_tokens, vocab) > 0)
+    rep = t.repetition[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - t.frequency[:, None] * counts
+    return logits - t.presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def _token_counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    counts = torch.zeros(tokens.shape[0], vocab + 1, dtype=torch.float32, device=tokens.device)
+    index = torch.where(tokens < 0, vocab, tokens)  # padding counts into a spare column
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The distribution each row samples from, after temperature and the top-k/top-p/min-p filters."""
+    temperature = torch.where(t.temperatures == 0, torch.ones_like(t.temperatures), t.temperatures)
+    logits = logits / temperature[:, None]
+    if t.any_top_k or t.any_top_p:
+        logits = _top_k_top_p(logits, t)
+    probs = torch.softmax(logits, dim=-1)
+    if t.any_min_p:
+        threshold = t.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    if t.any_top_k:
+        kth = sorted_logits.gather(1, (t.top_k.clamp(1, vocab) - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if t.any_top_p:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
+        drop = (before >= t.top_p[:, None]) & (rank > 0)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

@@ -1,0 +1,61 @@
+"""What the engine hands the model runner for one step: plain lists, snapshotted on the host.
+
+The runner may execute on another thread (zero-overhead scheduling) while the host mutates its
+sequences, so it never reads a ``Sequence``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SampleSpec:
+    """One token to sample: which logits row, and how."""
+
+    row: int  # index into the step's tokens
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    position: int  # position of the token being sampled in its sequence
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    output_tokens: list[int] | None = None  # for penalties; -2 marks the pending token
+    prompt_tokens: list[int] | None = None
+    logprobs: int | None = None
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
+
+
+@dataclass
+class StepInput:
+    step_id: int
+    is_prompt: bool
+    input_ids: list[int]  # -1 where the token is the previous step's sample (see pending)
+    positions: list[int]
+    query_lens: list[int]  # per sequence
+    context_lens: list[int]  # per sequence, after this step
+    block_tables: list[list[int]]
+    samples: list[SampleSpec] = field(default_factory=list)
+    # (input row, step id, sample index): tokens an earlier step sampled that the host has not
+    # seen yet (zero-overhead scheduling); the runner takes them from that step's output.
+    pending: list[tuple[int, int, int]] = field(default_factory=list)
+    clone_blocks: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
