@@ -19,23 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 try:  # imported as `benchmarks.baselines` from the repo root
-    from benchmarks.workload import (
-        default_gguf_path,
-        hf_cache_dir,
-        load_tokenizer,
-        make_prompt,
-        make_prompts,
-        print_table,
-    )
+    from benchmarks import workload
 except ImportError:  # run as `python benchmarks/baselines.py`
-    from workload import (
-        default_gguf_path,
-        hf_cache_dir,
-        load_tokenizer,
-        make_prompt,
-        make_prompts,
-        print_table,
-    )
+    import workload  # type: ignore[no-redef]
 
 DECODE_CONTEXT_TOKENS = 128  # prompt length used for the batch-1 decode figure
 PREFILL_TOKENS = 1024  # prompt length used for the prefill figure
@@ -55,8 +41,9 @@ def _median_seconds(fn: Callable[[], object], repeats: int = REPEATS) -> float:
 
 def _single_sequence_prompts(gguf_path: str) -> tuple[list[int], list[int]]:
     """The fixed prompts for the batch-1 decode and the prefill figures."""
-    tok = load_tokenizer(gguf_path)
-    return make_prompt(tok, DECODE_CONTEXT_TOKENS, seed=101), make_prompt(tok, PREFILL_TOKENS, seed=102)
+    tok = workload.load_tokenizer(gguf_path)
+    decode = workload.make_prompt(tok, DECODE_CONTEXT_TOKENS, seed=101)
+    return decode, workload.make_prompt(tok, PREFILL_TOKENS, seed=102)
 
 
 # --------------------------------------------------------------------------- transformers
@@ -71,8 +58,8 @@ def load_transformers_model(gguf_path: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    gguf_path = gguf_path or default_gguf_path()
-    cache = hf_cache_dir(gguf_path) / "model"
+    gguf_path = gguf_path or workload.default_gguf_path()
+    cache = workload.hf_cache_dir(gguf_path) / "model"
     if (cache / "config.json").is_file():
         try:
             return AutoModelForCausalLM.from_pretrained(cache, dtype=torch.float32).eval()
@@ -141,7 +128,7 @@ def run_transformers(
     from tqdm import tqdm
 
     torch.set_num_threads(2)
-    gguf_path = gguf_path or default_gguf_path()
+    gguf_path = gguf_path or workload.default_gguf_path()
     start = time.perf_counter()
     model = load_transformers_model(gguf_path)
     load_s = time.perf_counter() - start
@@ -189,8 +176,10 @@ def _llama_greedy(llm, prompt: list[int], max_new_tokens: int, eos_id: int):
     The low-level eval loop is used instead of create_completion so that EOS can be
     masked out (forcing exactly `max_new_tokens`) and no detokenization is timed.
     """
+    import llama_cpp
     import numpy as np
 
+    n_vocab = llm.n_vocab()
     llm.reset()  # n_tokens = 0, so the next eval drops the whole KV cache
     start = time.perf_counter()
     llm.eval(prompt)
@@ -198,7 +187,10 @@ def _llama_greedy(llm, prompt: list[int], max_new_tokens: int, eos_id: int):
     tokens: list[int] = []
     start = time.perf_counter()
     while True:
-        logits = llm.scores[llm.n_tokens - 1]  # last-position logits, a view we may edit
+        # With logits_all=False `llm.scores` is left unfilled, so read the last row's
+        # logits straight from the context (a zero-copy view we are free to edit).
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        logits = np.ctypeslib.as_array(ptr, shape=(n_vocab,))
         logits[eos_id] = -np.inf
         tokens.append(int(np.argmax(logits)))
         if len(tokens) == max_new_tokens:
@@ -211,7 +203,7 @@ def load_llamacpp(gguf_path: str | None = None, n_threads: int = 2):
     from llama_cpp import Llama
 
     return Llama(
-        model_path=gguf_path or default_gguf_path(),
+        model_path=gguf_path or workload.default_gguf_path(),
         n_ctx=2048,
         n_threads=n_threads,
         n_batch=512,
@@ -229,7 +221,7 @@ def run_llamacpp(
     """Sequential (one prompt at a time) llama.cpp throughput, plus batch-1 decode and prefill."""
     from tqdm import tqdm
 
-    gguf_path = gguf_path or default_gguf_path()
+    gguf_path = gguf_path or workload.default_gguf_path()
     start = time.perf_counter()
     llm = load_llamacpp(gguf_path, n_threads)
     load_s = time.perf_counter() - start
@@ -270,16 +262,8 @@ def run_llamacpp(
 
 # ----------------------------------------------------------------------------------- CLI
 
-TABLE_HEADERS = [
-    "backend",
-    "num_prompts",
-    "batch_size",
-    "output_tokens",
-    "total_s",
-    "output_tok_s",
-    "bs1_decode_tok_s",
-    "prefill_tok_s",
-]
+TABLE_HEADERS = ["backend", "num_prompts", "batch_size", "output_tokens", "total_s"]
+TABLE_HEADERS += ["output_tok_s", "bs1_decode_tok_s", "prefill_tok_s"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -291,8 +275,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--gguf", default=None, help="GGUF file (default: SmolLM2-135M Q4_1)")
     args = parser.parse_args(argv)
 
-    gguf_path = args.gguf or default_gguf_path()
-    prompts = make_prompts(load_tokenizer(gguf_path), n=args.num_prompts)
+    gguf_path = args.gguf or workload.default_gguf_path()
+    prompts = workload.make_prompts(workload.load_tokenizer(gguf_path), n=args.num_prompts)
     results = []
     if args.only in (None, "transformers"):
         results.append(
@@ -306,7 +290,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         name = res["backend"].replace(".", "")
         (OUT_DIR / f"baseline-{name}.json").write_text(json.dumps(res, indent=2) + "\n")
         print(json.dumps(res))
-    print_table(results, TABLE_HEADERS)
+    workload.print_table(results, TABLE_HEADERS)
     return results
 
 

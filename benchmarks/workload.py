@@ -77,7 +77,9 @@ def load_tokenizer(gguf_path: str | None = None):
             return AutoTokenizer.from_pretrained(cache)
         except Exception as exc:  # a broken cache must never break a benchmark
             print(f"[workload] ignoring unreadable tokenizer cache {cache}: {exc}")
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    tok = AutoTokenizer.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)
+    )
     try:
         tok.save_pretrained(cache)
     except OSError as exc:
@@ -119,7 +121,9 @@ def make_prompts(
     """Deterministic list of `n` token-id prompts with lengths spread over [min, max]."""
     lengths = target_lengths(n, min_tokens, max_tokens, seed)
     # Per-prompt seeds derived from (seed, index) keep prompts distinct and reproducible.
-    return [make_prompt(tokenizer, length, seed * 1_000_003 + i) for i, length in enumerate(lengths)]
+    return [
+        make_prompt(tokenizer, length, seed * 1_000_003 + i) for i, length in enumerate(lengths)
+    ]
 
 
 def _fmt(value) -> str:

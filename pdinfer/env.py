@@ -9,8 +9,9 @@ A value that does not parse fails loudly, naming the variable.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 def _parse_bool(text: str) -> bool:

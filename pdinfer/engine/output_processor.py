@@ -112,8 +112,9 @@ class OutputProcessor:
                 seq.output_text = seq.output_text[:end]
                 seq.stop_reason = stop
                 return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= seq.max_tokens:
+        # Known tokens only: with zero-overhead scheduling a later token may already be in flight.
+        if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.engine.scheduler_config.max_model_len:
+        if len(seq.token_ids) >= self.engine.scheduler_config.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None

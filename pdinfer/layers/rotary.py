@@ -72,9 +72,15 @@ def _yarn(theta: float, dim: int, s: dict[str, Any]) -> tuple[torch.Tensor, floa
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any]):
         super().__init__()
+        self._params = (head_dim, theta, scaling)
         inv_freq, self.attention_factor = inverse_frequencies(head_dim, theta, scaling)
         self.rotary_dim = inv_freq.numel() * 2
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def reset_inv_freq(self) -> None:
+        """Recompute the buffer (after the module was built on the meta device)."""
+        inv_freq, _ = inverse_frequencies(*self._params)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]

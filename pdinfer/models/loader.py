@@ -67,8 +67,11 @@ def build_model(
 ) -> LlamaForCausalLM:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    with torch.device(device):
-        model = LlamaForCausalLM(spec).to(dtype)
+    # Built on the meta device and then given empty storage: no time spent on random init.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(spec)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.reset_inv_freq()
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:

@@ -1,0 +1,99 @@
+"""Shared fixtures. The reference for model output is Hugging Face transformers, loading the
+same GGUF file on its own (its own dequantization and Q/K un-permutation), in float32."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+# Tests see the real default cache (so the GGUF conversion happens once per machine).
+os.environ.setdefault("PDINFER_LOG_LEVEL", "WARNING")
+torch.set_num_threads(os.cpu_count() or 1)
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "In a galaxy far, far away, there lived a small robot who loved to paint. " * 3,
+    "Q: What is 2+2?\nA:",
+    "Once upon a time",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "import numpy as np\nimport torch\n\n# Load the dataset and",
+    "A list of the planets of the solar system, from the closest to the Sun:",
+    "Les pommes de terre sont",
+]
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from pdinfer.models.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from pdinfer import env
+    from pdinfer.models.loader import load_tokenizer, resolve_model
+
+    folder, _ = resolve_model(None, env.get("PDINFER_CACHE_DIR"))
+    return load_tokenizer(folder, None)
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding with the reference model: argmax of the raw logits, EOS not
+    special (the ``ignore_eos`` behaviour), KV cache of transformers itself."""
+    ids = torch.tensor([prompt_ids])
+    out: list[int] = []
+    past = None
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            result = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            token = int(result.logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.tensor([[token]])
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference(hf_model):
+    """``reference(prompt_ids, n)``: cached transformers greedy continuation."""
+
+    @functools.cache
+    def run(prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+        return tuple(hf_greedy(hf_model, list(prompt_ids), max_new_tokens))
+
+    return lambda ids, n: list(run(tuple(ids), n))
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tokenizer):
+    return [tokenizer(p).input_ids for p in PROMPTS]
+
+
+def make_llm(**kwargs):
+    from pdinfer import LLM
+
+    kwargs.setdefault("kv_cache_memory", 512 << 20)
+    return LLM(**kwargs)
+
+
+def assert_blocks_back(engine):
+    assert not engine.has_unfinished_requests()
+    assert engine.get_num_free_blocks() == engine.num_blocks, (
+        f"{engine.num_blocks - engine.get_num_free_blocks()} KV blocks leaked"
+    )
