@@ -1,14 +1,13 @@
-"""pdinfer: one engine class that plays NORMAL, PROMPT and COMPLETION, with a working P/D hand-off."""
+"""pdinfer: one engine class that plays NORMAL, PROMPT and COMPLETION, with a working P/D hand-off.
 
+Public names are imported lazily, so ``pdinfer.core`` (scheduler, block manager) can be used
+without importing torch.
+"""
+
+import importlib as _importlib
 import logging as _logging
 
 from pdinfer import env as _env
-from pdinfer.config import EngineArgs
-from pdinfer.engine.llm import LLM
-from pdinfer.engine.llm_engine import LLMEngine
-from pdinfer.engine_type import EngineType
-from pdinfer.outputs import CompletionOutput, RequestOutput
-from pdinfer.sampling_params import SamplingParams
 
 _logger = _logging.getLogger("pdinfer")
 if not _logger.handlers:
@@ -18,8 +17,25 @@ if not _logger.handlers:
     _logger.setLevel(_env.get("PDINFER_LOG_LEVEL").upper())
     _logger.propagate = False
 
-__all__ = [
-    "LLM", "SamplingParams", "EngineArgs", "EngineType", "LLMEngine",
-    "RequestOutput", "CompletionOutput",
-]
+_EXPORTS = {
+    "LLM": "pdinfer.engine.llm",
+    "LLMEngine": "pdinfer.engine.llm_engine",
+    "EngineArgs": "pdinfer.config",
+    "EngineType": "pdinfer.engine_type",
+    "SamplingParams": "pdinfer.sampling_params",
+    "RequestOutput": "pdinfer.outputs",
+    "CompletionOutput": "pdinfer.outputs",
+}
+
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(_importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pdinfer' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -206,7 +206,8 @@ class Scheduler:
                     f"max_num_batched_tokens={cfg.max_num_batched_tokens})"))
                 outputs.ignored_seqs.append(seq)
                 continue
-            if len(self.running) + len(self.prompted) + len(outputs.scheduled_seqs) >= cfg.max_num_seqs:
+            # Sequences whose prompt completes join `running` at once; a chunked one will.
+            if len(self.running) + len(self.prompted) + int(is_chunked) >= cfg.max_num_seqs:
                 break
             hits = bm.lookup_prefix(seq) if not seq.block_table else []
             computed = len(hits) * bm.block_size if hits else seq.num_computed_tokens

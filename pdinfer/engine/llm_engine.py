@@ -168,6 +168,24 @@ class LLMEngine:
             self.scheduler.add_sequence(seq)
         return seq
 
+    def fork_request(self, source: Sequence, blocks: list[int] | None = None,
+                     request_id: str | None = None) -> Sequence:
+        """Continue ``source``'s computed prefix as a request of this engine (``fork_seq``).
+
+        ``blocks`` are this engine's blocks already holding the prefix K/V (a hand-off from
+        another engine); ``None`` shares ``source``'s blocks (a fork within this engine).
+        """
+        request_id = request_id or source.request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        fork = self.scheduler.fork_seq(source, blocks)
+        fork.request_id = request_id
+        state = RequestState(request_id, None, list(source.prompt_token_ids), source.sampling_params, [fork])
+        state.expected_seqs = 1
+        self.output_processor.start(fork, replay_output=True)
+        self.requests[request_id] = state
+        return fork
+
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:

@@ -21,8 +21,13 @@ class OutputProcessor:
         self.engine = engine
         self.detokenizer = Detokenizer(engine.tokenizer)
 
-    def start(self, seq: Sequence) -> None:
-        seq.detok = self.detokenizer.start(seq.prompt_token_ids, seq.sampling_params.skip_special_tokens)
+    def start(self, seq: Sequence, replay_output: bool = False) -> None:
+        """Begin detokenizing ``seq``; ``replay_output`` first decodes the output tokens it
+        already has (a sequence continued from another engine)."""
+        skip = seq.sampling_params.skip_special_tokens
+        seq.detok = self.detokenizer.start(seq.prompt_token_ids, skip)
+        if replay_output:
+            seq.output_text = "".join(self.detokenizer.append(seq.detok, t, skip) for t in seq.output_token_ids)
 
     def abort(self, seq: Sequence) -> None:
         seq.finish(SequenceStatus.FINISHED_ABORTED)
