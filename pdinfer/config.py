@@ -143,6 +143,9 @@ class EngineArgs:
             "1" if self.engine_type.default_zero_overhead_scheduling else "0",
         )
         self.zero_overhead_scheduling = bool(env.rearm("PDINFER_ZERO_OVERHEAD_SCHEDULING"))
+        for name in ("PDINFER_PREFILL_ATTEMPT_INTERVAL", "PDINFER_PREFILL_ANY_ATTEMPT_INTERVAL",
+                     "PDINFER_PREFILL_KV_WATERMARK", "PDINFER_ENFORCE_EAGER"):
+            env.rearm(name)  # an engine sees the environment as it is when it is built
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
 

@@ -169,7 +169,7 @@ class LLMEngine:
         return seq
 
     def fork_request(self, source: Sequence, blocks: list[int] | None = None,
-                     request_id: str | None = None) -> Sequence:
+                     request_id: str | None = None, replace_last_token_id: int | None = None) -> Sequence:
         """Continue ``source``'s computed prefix as a request of this engine (``fork_seq``).
 
         ``blocks`` are this engine's blocks already holding the prefix K/V (a hand-off from
@@ -178,7 +178,7 @@ class LLMEngine:
         request_id = request_id or source.request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        fork = self.scheduler.fork_seq(source, blocks)
+        fork = self.scheduler.fork_seq(source, blocks, replace_last_token_id=replace_last_token_id)
         fork.request_id = request_id
         state = RequestState(request_id, None, list(source.prompt_token_ids), source.sampling_params, [fork])
         state.expected_seqs = 1

@@ -1,0 +1,285 @@
+"""One engine class, three roles: the seed's invariants, the hook order, fork_seq and n > 1,
+and the in-process shape of a P/D hand-off. Model output is checked against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_blocks_back
+
+from pdinfer import EngineArgs, EngineType, LLMEngine, SamplingParams
+from pdinfer.core.outputs import SchedulerOutputs
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SMALL = dict(kv_cache_memory=640 << 20)
+
+HOOKS = ["post_schedule", "should_copy_state", "do_copy_state", "do_save_kvcache",
+         "pe_prepare_save_kvcache", "finalize_seq", "post_process", "pe_do_save_kvcache",
+         "send_processed_prompts"]
+
+
+class Traced(LLMEngine):
+    """Records every hook call (and each launch) in order; behaviour is the base class's."""
+
+    def __init__(self, *args, copy_state_for_all=False, **kwargs):
+        self.trace: list[str] = []
+        self.pd_split_saw_cache = None
+        self.copy_all = copy_state_for_all
+        self.saved: list[tuple] = []
+        super().__init__(*args, **kwargs)
+
+    def init_pd_split(self):
+        self.trace.append("init_pd_split")
+        self.pd_split_saw_cache = self.model_runner.cache is not None and not hasattr(self, "scheduler")
+
+    def _launch(self, plan):
+        inflight = super()._launch(plan)
+        if inflight is not None:
+            self.trace.append("launch")
+        return inflight
+
+    def should_copy_state(self, seq):
+        self.trace.append("should_copy_state")
+        return self.copy_all
+
+    def do_save_kvcache(self, scheduled, finished):
+        self.trace.append("do_save_kvcache")
+        if self.copy_all:
+            self.saved.append((self.copy_state_event, dict(self.copy_state),
+                               [(s.seq_id, list(s.block_table)) for s in scheduled]))
+
+
+def _traced_method(name):
+    def method(self, *args, **kwargs):
+        self.trace.append(name)
+        return getattr(LLMEngine, name)(self, *args, **kwargs)
+    return method
+
+
+for _name in ["post_schedule", "do_copy_state", "pe_prepare_save_kvcache", "finalize_seq",
+              "post_process", "pe_do_save_kvcache", "send_processed_prompts"]:
+    setattr(Traced, _name, _traced_method(_name))
+
+
+def engine(role=EngineType.NORMAL, cls=LLMEngine, copy_state_for_all=False, **kwargs):
+    args = EngineArgs(engine_type=role, **{**SMALL, **kwargs})
+    if cls is Traced:
+        return Traced(args, copy_state_for_all=copy_state_for_all)
+    return cls(args)
+
+
+def run_all(e):
+    outputs = {}
+    while e.has_unfinished_requests():
+        for out in e.step():
+            outputs[out.request_id] = out
+    return outputs
+
+
+@pytest.fixture(autouse=True)
+def _zos_off_unless_asked(monkeypatch):
+    # exact per-step hook order; tests that want the overlap set it to 1
+    monkeypatch.setenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", "0")
+
+
+# --- invariants of the seed ----------------------------------------------------------------------
+def test_engine_type_ints_are_validated():
+    assert [EngineType.from_int(i) for i in (0, 1, 2)] == [EngineType.NORMAL, EngineType.PROMPT,
+                                                          EngineType.COMPLETION]
+    for bad in (3, -1, True, "1", 1.0):
+        with pytest.raises(ValueError):
+            EngineType.from_int(bad)
+    assert EngineType.parse("completion") is EngineType.COMPLETION
+    with pytest.raises(ValueError):
+        EngineArgs(engine_type=7)
+    assert [r.default_zero_overhead_scheduling for r in EngineType] == [True, False, True]
+
+
+def test_role_defaults_yield_to_an_operator_env(monkeypatch):
+    monkeypatch.delenv("PDINFER_ZERO_OVERHEAD_SCHEDULING")
+    assert EngineArgs(engine_type="prompt").zero_overhead_scheduling is False
+    assert EngineArgs(engine_type="normal").zero_overhead_scheduling is True
+    assert EngineArgs(engine_type="prompt").zero_overhead_scheduling is False  # not sticky
+    monkeypatch.setenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", "1")
+    assert EngineArgs(engine_type="prompt").zero_overhead_scheduling is True  # operator wins
+
+
+def test_prompt_engine_idle_step_is_an_empty_prompt_run():
+    pe = engine(EngineType.PROMPT)
+    plan = pe.scheduler.schedule()
+    assert plan is not None and plan.prompt_run and plan.is_empty
+    assert pe.step() == []
+
+
+def test_prompt_engine_refuses_a_decode_step(monkeypatch):
+    pe = engine(EngineType.PROMPT)
+    monkeypatch.setattr(pe.scheduler, "schedule", lambda: SchedulerOutputs(prompt_run=False))
+    with pytest.raises(RuntimeError, match="PROMPT engine scheduled a decode step"):
+        pe.step()
+
+
+def test_completion_engine_refuses_recompute_preemption_and_context_parallel():
+    with pytest.raises(ValueError, match="no prefill channel"):
+        engine(EngineType.COMPLETION, stop_preempted_request=False)
+    with pytest.raises(ValueError, match="context parallelism is refused"):
+        engine(EngineType.COMPLETION, context_parallel_size=2)
+    assert EngineArgs(engine_type="completion").stop_preempted_request is True
+
+
+def test_prompt_never_finalizes_while_normal_does():
+    counts = {}
+    for role in (EngineType.PROMPT, EngineType.NORMAL):
+        e = engine(role, cls=Traced)
+        e.add_request("r", {"prompt_token_ids": [1, 2, 3, 4, 5]}, GREEDY)
+        e.step()  # prefill
+        e.abort_request("r")
+        e.step()  # the plan carries the aborted sequence as finished
+        counts[role] = e.trace.count("finalize_seq")
+    assert counts == {EngineType.PROMPT: 0, EngineType.NORMAL: 1}
+
+
+def test_copied_state_is_synchronised_before_do_save_kvcache(monkeypatch, prompt_ids):
+    monkeypatch.setenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", "1")  # the copy races the forward
+    e = engine(cls=Traced, copy_state_for_all=True)
+    assert e.zero_overhead
+    for i, ids in enumerate(prompt_ids[:3]):
+        e.add_request(str(i), {"prompt_token_ids": ids}, GREEDY)
+    run_all(e)
+    assert e.saved
+    bs = e.cache_config.block_size
+    for event, snapshot, scheduled in e.saved:
+        assert event is None or event.done()
+        for seq_id, blocks in scheduled:
+            num_tokens, copy = snapshot[seq_id]
+            live = e.model_runner.cache.read_blocks(blocks[: copy.shape[0]])
+            positions = torch.arange(num_tokens)
+            got = copy[positions // bs, :, :, positions % bs]
+            want = live[positions // bs, :, :, positions % bs]
+            assert torch.equal(got, want) and got.abs().sum() > 0
+
+
+# --- the hook order ----------------------------------------------------------------------------------
+PREFILL_STEP = ["post_schedule", "launch", "pe_prepare_save_kvcache", "post_process", "pe_do_save_kvcache"]
+DECODE_STEP = ["post_schedule", "should_copy_state", "launch", "do_save_kvcache", "post_process"]
+
+
+def _split_steps(trace):
+    steps, current = [], []
+    for call in trace:
+        if call == "post_schedule" and current:
+            steps.append(current)
+            current = []
+        current.append(call)
+    return steps + [current]
+
+
+def test_hook_order_normal():
+    e = engine(cls=Traced)
+    e.add_request("r", {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=3))
+    run_all(e)
+    assert "init_pd_split" not in e.trace
+    steps = _split_steps(e.trace)
+    assert steps[0] == PREFILL_STEP
+    assert steps[1] == DECODE_STEP and steps[2] == DECODE_STEP
+    # the finished sequence is finalized in the next step's pre_sampler_sync, before post_process
+    assert steps[3] == ["post_schedule", "do_save_kvcache", "finalize_seq"]
+
+
+def test_hook_order_prompt():
+    e = engine(EngineType.PROMPT, cls=Traced)
+    assert e.trace == ["init_pd_split"] and e.pd_split_saw_cache
+    e.add_request("r", {"prompt_token_ids": [5, 6, 7, 8]}, GREEDY)
+    e.step()
+    assert _split_steps(e.trace[1:]) == [PREFILL_STEP + ["send_processed_prompts"]]
+
+
+def test_hook_order_with_zero_overhead_scheduling(monkeypatch):
+    monkeypatch.setenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", "1")
+    e = engine(cls=Traced)
+    e.add_request("r", {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=3))
+    run_all(e)
+    steps = _split_steps(e.trace)
+    # post_process of step N runs after step N+1 was launched and its pre_sampler_sync ran
+    assert steps[0] == ["post_schedule", "launch", "pe_prepare_save_kvcache"]
+    assert steps[1] == ["post_schedule", "should_copy_state", "launch", "do_save_kvcache",
+                        "post_process", "pe_do_save_kvcache"]
+
+
+# --- fork_seq, n > 1 and the P/D shape --------------------------------------------------------------
+def _prefill_one(e, ids, params=GREEDY, rid="parent"):
+    seq = e.add_request(rid, {"prompt_token_ids": ids}, params)
+    outputs = e.step()
+    assert e.scheduler.running == [seq] and len(seq.output_token_ids) == 1
+    return seq, outputs
+
+
+def test_forks_share_blocks_then_copy_and_follow_forced_tokens(prompt_ids, reference):
+    ids = next(p for p in prompt_ids if len(p) % 16 not in (0, 15))
+    e = engine(cls=Traced)
+    parent, _ = _prefill_one(e, ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3))
+    first = parent.output_token_ids[0]
+    alternatives = [t for t in parent.output_logprobs[0] if t != first][:2]
+    free_before = e.get_num_free_blocks()
+    forks = [e.fork_request(parent, request_id=f"fork{i}", replace_last_token_id=t)
+             for i, t in enumerate(alternatives)]
+    assert e.get_num_free_blocks() == free_before  # the forks share every block
+    e.step()
+    assert e.get_num_free_blocks() == free_before - len(forks)  # each copied the partial block
+    outputs = run_all(e)
+    assert outputs["parent"].outputs[0].token_ids == reference(ids, 10)
+    for i, t in enumerate(alternatives):
+        got = outputs[f"fork{i}"].outputs[0].token_ids
+        assert got == [t] + reference(ids + [t], 9)
+    assert_blocks_back(e)
+
+
+class CountingPrefill(LLMEngine):
+    prefill_tokens = 0
+
+    def post_schedule(self, outputs):
+        if outputs.prompt_run:
+            self.prefill_tokens += outputs.num_batched_tokens
+
+
+def test_n_outputs_compute_the_prompt_once(prompt_ids):
+    ids = prompt_ids[3]
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        e = engine(cls=CountingPrefill)
+        e.add_request("r", {"prompt_token_ids": ids}, params)
+        out = run_all(e)["r"]
+        assert e.prefill_tokens == len(ids)
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert all(len(c.token_ids) == 16 for c in out.outputs)
+        runs.append([c.token_ids for c in out.outputs])
+        assert_blocks_back(e)
+    assert runs[0] == runs[1]  # seeded
+    assert len({tuple(t) for t in runs[0]}) == 3  # the three outputs differ
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=12, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_sequence_handed_to_a_completion_engine_decodes_without_prefill(prompt_ids, params):
+    ids = prompt_ids[6]
+    normal = engine()
+    normal.add_request("r", {"prompt_token_ids": ids}, params)
+    expected = run_all(normal)["r"].outputs[0].token_ids
+
+    pe = engine(EngineType.PROMPT)
+    seq, _ = _prefill_one(pe, ids, params, rid="r")
+    ce = engine(EngineType.COMPLETION, cls=Traced)
+    blocks = ce.block_manager.allocate_blocks(len(seq.block_table))
+    ce.model_runner.cache.write_blocks(blocks, pe.model_runner.cache.read_blocks(seq.block_table))
+    ce.fork_request(seq, blocks=blocks)
+    out = run_all(ce)["r"]
+    assert out.outputs[0].token_ids == expected
+    assert out.outputs[0].token_ids[0] == seq.output_token_ids[0]  # the first token is the PE's
+    assert "pe_prepare_save_kvcache" not in ce.trace  # no prefill step ran on the CE
+    assert ce.trace.count("launch") == len(expected) - 1
+    assert_blocks_back(ce)
+    pe.scheduler.remove_seq(seq)  # the base PROMPT engine hands nothing over: release by hand
+    pe.scheduler.free_seq(seq)
+    assert pe.get_num_free_blocks() == pe.num_blocks
