@@ -1,0 +1,238 @@
+"""OpenAI-compatible request models, their mapping to ``SamplingParams``, and the error shape.
+
+Fields marked "extra" are not in OpenAI's API; names follow vLLM's (``top_k``, ``ignore_eos`` ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdinfer.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's shape: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def validation_error(errors) -> APIError:
+    """One 400 from pydantic's errors; ``param`` is the top-level field that failed."""
+    by_field: dict[str, list[dict]] = {}
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            return bad_request(f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        by_field.setdefault(loc[0] if loc else "", []).append({**err, "loc": loc})
+    problems = []
+    for name, errs in by_field.items():
+        if len(errs) > 1 and all(len(e["loc"]) == 2 for e in errs):  # no member of a union fits
+            allowed = ", ".join(e["loc"][1] for e in errs)
+            got = type(errs[0].get("input")).__name__
+            problems.append(f"{name}: got {got}, expected one of: {allowed}")
+            continue
+        for e in errs:
+            where = ".".join(e["loc"])
+            problems.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    param = next(iter(by_field), None) or None
+    return bad_request("; ".join(problems) or "invalid request", param=param)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share. ``None`` means the default."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extra
+    min_p: float | None = None  # extra
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extra
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extra
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extra
+    skip_special_tokens: bool = True  # extra
+    include_stop_str_in_output: bool = False  # extra
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.n > MAX_N:
+            raise bad_request(f"n must be at most {MAX_N}, got {self.n}", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream=true",
+                              param="stream_options")
+        values: dict[str, Any] = {
+            "n": self.n, "max_tokens": max_tokens, "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids, "seed": self.seed,
+            "ignore_eos": self.ignore_eos, "logprobs": logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        try:
+            return SamplingParams(**values)
+        except ValueError as exc:
+            message = str(exc)
+            param = message.split(" ", 1)[0]
+            raise bad_request(message, param=param if param in _PARAM_NAMES else None) from None
+
+
+_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+class CompletionRequest(_GenerationRequest):
+    # text, token ids, or a batch of either
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise bad_request("echo is not supported", param="echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+                              param="logprobs")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt of the batch: text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise bad_request("prompt is empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise bad_request("only text content parts are supported", param="messages")
+            content = "".join(part.text or "" for part in content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # extra
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], "
+                                  f"got {self.top_logprobs}", param="top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens or self.max_tokens  # None: up to the context
+        return self._sampling_params(max_tokens, logprobs)
+
+
+# --- responses (plain dicts: cheaper than models on the streaming path) -----------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def model_card(name: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "pdinfer",
+            "max_model_len": max_model_len}
+
+
+def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of one position (at least the sampled one when k is 0)."""
+    return sorted(entry.items(), key=lambda item: -item[1])[: max(k, 1)]
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]],
+                        k: int, text_offset: int) -> dict[str, Any]:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, entries):
+        text = tokenizer.decode([token_id])
+        tokens.append(text)
+        token_logprobs.append(entry.get(token_id))
+        tops.append({tokenizer.decode([t]): lp for t, lp in top_entries(entry, k)})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]],
+                  k: int) -> dict[str, Any]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        one = item(token_id, entry.get(token_id, float("-inf")))
+        one["top_logprobs"] = [item(t, lp) for t, lp in top_entries(entry, k)] if k else []
+        content.append(one)
+    return {"content": content}

@@ -1,0 +1,374 @@
+"""The OpenAI-compatible server, end to end: a real `pdinfer serve` process and the real `openai`
+client. The reference for text is `LLM` greedy output in this process (itself checked against
+transformers in test_correctness). The last tests drive `AsyncEngine` in process, on that same
+engine, for what a subprocess cannot show (overload, a loop that dies)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import PROMPTS, make_llm
+
+from pdinfer import SamplingParams
+from pdinfer.serving import AsyncEngine, EngineDeadError, build_app
+
+MODEL = "SmolLM2-135M-Instruct"
+API_KEY = "sk-test"
+MAX_MODEL_LEN = 512
+STARTUP_TIMEOUT_S = 600
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pdinfer_command() -> list[str]:
+    script = Path(sys.executable).with_name("pdinfer")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "pdinfer.cli"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    cmd = pdinfer_command() + [
+        "serve", "--port", str(port), "--api-key", API_KEY, "--kv-cache-memory", "512MiB",
+        "--max-model-len", str(MAX_MODEL_LEN)]
+    env = dict(os.environ, PDINFER_LOG_LEVEL="WARNING")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"pdinfer serve exited with {proc.returncode}:\n{log_path.read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"pdinfer serve did not become healthy:\n{log_path.read_text()}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_llm(max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def greedy_texts(llm):
+    """LLM greedy text of PROMPTS at 8 and 12 tokens, and of CHAT at 16."""
+    texts = {}
+    for n in (8, 12):
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=n), use_tqdm=False)
+        texts[n] = [o.outputs[0].text for o in outs]
+    chat = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    texts["chat"] = chat[0].outputs[0].text
+    return texts
+
+
+def kv(server) -> dict:
+    return httpx.get(f"{server}/debug/kv", timeout=10).json()
+
+
+def wait_blocks_back(server, timeout_s: float = 120) -> dict:
+    """Poll /debug/kv until every KV block is free again (an abort lands between steps)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = kv(server)
+        if state["free_blocks"] == state["total_blocks"] or time.monotonic() > deadline:
+            return state
+        time.sleep(0.2)
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+
+
+def test_completions_greedy_equal_llm(client, greedy_texts):
+    for i in (0, 1, 4):
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=12,
+                                        temperature=0)
+        assert out.choices[0].text == greedy_texts[12][i]
+        assert out.choices[0].finish_reason in ("length", "stop")
+        assert out.usage.completion_tokens <= 12
+        assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    batch = client.completions.create(model=MODEL, prompt=[PROMPTS[2], PROMPTS[5]], max_tokens=12,
+                                      temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == [greedy_texts[12][2], greedy_texts[12][5]]
+
+
+def test_chat_stream_joins_to_the_non_stream_text(client, greedy_texts):
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == greedy_texts["chat"]
+    assert full.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    with_choices = [c for c in chunks if c.choices]
+    assert len(with_choices) >= 3
+    assert with_choices[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == greedy_texts["chat"]
+    assert with_choices[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_n_gives_n_choices(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=8, n=2,
+                                    temperature=1.0, seed=11)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert all(c.text for c in out.choices)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, n=2, seed=3)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_seed_reproduces_sampled_text(client):
+    def sample(seed: int) -> str:
+        return client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12,
+                                         temperature=1.0, seed=seed).choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert len({first, sample(1), sample(2)}) >= 2  # 12 sampled tokens: seeds are not ignored
+
+
+def test_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                    logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
+    assert "".join(lp.tokens) == out.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and logprob <= 0
+        assert max(top.values()) == pytest.approx(logprob)  # greedy picked the most likely
+        assert top[token] == pytest.approx(logprob)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+
+
+BAD_REQUESTS = [
+    ("completions", {"model": MODEL, "max_tokens": 4}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"model": MODEL, "prompt": 123}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": [1] * (MAX_MODEL_LEN + 1)}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": "word " * (MAX_MODEL_LEN + 10)}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    ("completions", {"model": "no-such-model", "prompt": "hi"}, 404, "model"),
+    ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("chat/completions", {"model": MODEL, "messages": CHAT, "top_p": 0}, 400, "top_p"),
+    ("chat/completions", {"model": MODEL, "messages": CHAT, "n": 0}, 400, "n"),
+]
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for path, body, status, param in BAD_REQUESTS:
+        resp = httpx.post(f"{server}/v1/{path}", json=body, headers=headers, timeout=60)
+        assert resp.status_code == status, (body, resp.text)
+        error = resp.json()["error"]
+        assert error["message"] and error["param"] == param, (body, error)
+        assert error["type"] == "invalid_request_error"
+    too_long = httpx.post(f"{server}/v1/completions", headers=headers, timeout=60,
+                                 json={"model": MODEL, "prompt": [1] * (MAX_MODEL_LEN + 1)})
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
+    resp = httpx.post(f"{server}/v1/completions", content=b"{not json", timeout=60,
+                      headers={**headers, "Content-Type": "application/json"})
+    assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
+    resp = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=60)
+    assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+    assert out.choices[0].text
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+def test_64_concurrent_streams_complete_and_free_every_block(server, greedy_texts):
+    client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0,
+                                timeout=600)
+
+    async def one(i: int) -> str:
+        stream = await client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)],
+                                                 max_tokens=8, temperature=0, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def run_all() -> list[str]:
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await client.close()
+
+    texts = asyncio.run(run_all())
+    assert all(texts)
+    assert texts == [greedy_texts[8][i % len(PROMPTS)] for i in range(64)]
+    state = wait_blocks_back(server)
+    assert state["free_blocks"] == state["total_blocks"]
+
+
+def test_client_disconnect_mid_stream_frees_blocks(server):
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": MAX_MODEL_LEN - 100,
+            "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", f"{server}/v1/completions", json=body, headers=headers) as resp:
+            assert resp.status_code == 200
+            events = 0
+            for line in resp.iter_lines():
+                events += line.startswith("data: ")
+                if events == 2:
+                    break
+            assert kv(server)["free_blocks"] < kv(server)["total_blocks"]  # it is running
+    # Left alone, the request would decode ~400 more tokens; the abort frees its blocks at once.
+    state = wait_blocks_back(server)
+    assert state["free_blocks"] == state["total_blocks"]
+
+
+def test_client_disconnect_without_stream_frees_blocks(server):
+    body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": MAX_MODEL_LEN - 100,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=3,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    state = wait_blocks_back(server)
+    assert state["free_blocks"] == state["total_blocks"]
+
+
+def test_metrics_expose_the_names(server):
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    for name in ("pdinfer_time_to_first_token_seconds_bucket",
+                 "pdinfer_time_per_output_token_seconds_bucket",
+                 "pdinfer_e2e_request_latency_seconds_bucket", "pdinfer_num_requests_waiting",
+                 "pdinfer_num_requests_running", "pdinfer_kv_cache_usage_ratio",
+                 "pdinfer_kv_cache_free_blocks", "pdinfer_prefix_cache_hit_rate",
+                 'pdinfer_requests_finished_total{finish_reason="length"}',
+                 'pdinfer_request_errors_total{kind="invalid_request_error"}',
+                 'pdinfer_request_errors_total{kind="model_not_found"}'):
+        assert name in text, name
+    assert "pdinfer_engine_healthy 1.0" in text
+
+
+# --- AsyncEngine in process (on the reference LLM's engine, once the references exist) ------------
+@pytest.fixture(scope="module")
+def async_engine(llm, greedy_texts):
+    engine = AsyncEngine(llm.engine, max_waiting=2)
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+def test_async_generate_streams_and_abort_frees_blocks(async_engine, greedy_texts):
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+
+    async def run() -> tuple[str, int]:
+        async for out in async_engine.generate("a-1", PROMPTS[1], greedy):
+            text = out.outputs[0].text
+        seen = 0
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        async for _ in async_engine.generate("a-2", PROMPTS[2], long):
+            seen += 1
+            if seen == 2:
+                break  # the generator closes: the request is aborted
+        with pytest.raises(ValueError, match="prompt token ids"):
+            await async_engine.add_request("a-3", [10**9], greedy)
+        return text, seen
+
+    text, seen = asyncio.run(run())
+    assert text == greedy_texts[8][1] and seen == 2
+    deadline = time.monotonic() + 60
+    while async_engine.stats.num_free_blocks != async_engine.stats.num_total_blocks:
+        assert time.monotonic() < deadline, async_engine.stats
+        time.sleep(0.05)
+    assert async_engine.stats.num_requests == 0
+
+
+async def until(condition, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def test_overload_answers_503(async_engine):
+    app = build_app(async_engine, MODEL)
+    long = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 60, "ignore_eos": True}
+
+    async def run() -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            first = asyncio.ensure_future(http.post("/v1/completions", json=long, timeout=600))
+            await until(lambda: async_engine.stats.num_running == 1)
+            steps = async_engine.stats.num_steps
+            await until(lambda: async_engine.stats.num_steps > steps)  # it is decoding now
+            # Two more queue behind it (a NORMAL engine prefills them only at its next prefill
+            # point, 70 decode steps on); with max_waiting=2 a fourth is refused.
+            short = {**long, "max_tokens": 2}
+            queued = [asyncio.ensure_future(http.post("/v1/completions", json=short, timeout=600))
+                      for _ in range(2)]
+            await until(lambda: async_engine.num_waiting() == 2)
+            refused = await http.post("/v1/completions", json=long, timeout=600)
+            assert refused.json()["error"]["code"] == "overloaded"
+            done = await asyncio.gather(first, *queued)
+            return [refused.status_code] + [r.status_code for r in done]
+
+    assert asyncio.run(run()) == [503, 200, 200, 200]
+
+
+def test_a_dead_loop_fails_requests_and_health(async_engine):
+    """Must run last in this module: it kills the loop thread on purpose."""
+
+    def broken_step():
+        raise RuntimeError("injected step failure")
+
+    async_engine.engine.step = broken_step  # fault injection into the engine, not the code tested
+    app = build_app(async_engine, MODEL)
+
+    async def run():
+        with pytest.raises(EngineDeadError, match="injected"):
+            async for _ in async_engine.generate("dead-1", PROMPTS[0], SamplingParams(max_tokens=4)):
+                pass
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            health = await http.get("/health")
+            refused = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        return health, refused
+
+    health, refused = asyncio.run(run())
+    assert not async_engine.is_healthy
+    assert health.status_code == 503 and "injected" in health.json()["error"]
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"

@@ -1,0 +1,54 @@
+"""`pdinfer generate` as a real process: its streamed text equals `LLM` greedy text."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_llm
+
+from pdinfer import SamplingParams
+
+PROMPT = "The capital of France is"
+FLAGS = ["--max-tokens", "8", "--temperature", "0", "--kv-cache-memory", "512MiB"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def _start(*args: str) -> subprocess.Popen:
+    script = Path(sys.executable).with_name("pdinfer")  # the installed entry point
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "pdinfer.cli"]
+    env = dict(os.environ, PDINFER_LOG_LEVEL="WARNING")
+    return subprocess.Popen(command + ["generate", *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _check(proc: subprocess.Popen, expected: str) -> None:
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr
+    assert stdout == expected + "\n"
+
+
+def test_generate_prints_llm_greedy_text():
+    proc = _start(PROMPT, *FLAGS)  # loads the model while this process does
+    expected = make_llm().generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].text
+    _check(proc, expected)
+
+
+def test_generate_chat_applies_the_chat_template():
+    proc = _start(PROMPT, "--chat", *FLAGS)
+    llm = make_llm()
+    expected = llm.chat([{"role": "user", "content": PROMPT}], GREEDY, use_tqdm=False)
+    assert expected[0].outputs[0].text != llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].text
+    _check(proc, expected[0].outputs[0].text)
+
+
+@pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--max-tokens", "0"),
+                                         ("--kv-cache-memory", "lots")])
+def test_generate_refuses_bad_flags_before_loading(flag, value):
+    proc = _start(PROMPT, flag, value)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert flag.strip("-").split("-")[0] in stderr
