@@ -24,6 +24,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()  # refused by the scheduler (e.g. prompt over prompt_limit)
     FINISHED_PREEMPTED = enum.auto()  # stopped because KV blocks ran out (stop_preempted_request)
+    FINISHED_HANDED_OFF = enum.auto()  # PE: the CE confirmed it holds the K/V; it decodes from here
 
     @property
     def is_finished(self) -> bool:
@@ -36,6 +37,7 @@ FINISH_REASONS = {
     SequenceStatus.FINISHED_ABORTED: "abort",
     SequenceStatus.FINISHED_IGNORED: "error",
     SequenceStatus.FINISHED_PREEMPTED: "error",
+    SequenceStatus.FINISHED_HANDED_OFF: "handoff",
 }
 
 _seq_ids = itertools.count()
@@ -80,6 +82,7 @@ class Sequence:
         self.num_steps_scheduled = 0
         self.first_token_time: float | None = None
         self.handoff: Any = None  # P/D bookkeeping, owned by the PE/CE subclasses
+        self.first_tokens: list[int] = []  # PE: the first token of each of the n outputs
 
     # --- lengths ---------------------------------------------------------------------------
     @property

@@ -20,6 +20,8 @@ class OutputProcessor:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.detokenizer = Detokenizer(engine.tokenizer)
+        # A PE only samples first tokens for a CE: no stop checks, no forks (the CE does both).
+        self.prefill_only = False
 
     def start(self, seq: Sequence, replay_output: bool = False) -> None:
         """Begin detokenizing ``seq``; ``replay_output`` first decodes the output tokens it
@@ -57,6 +59,10 @@ class OutputProcessor:
             if state is None:
                 continue
             token = result.token_ids[index]
+            if self.prefill_only:
+                self._record_first_token(state, seq, copy, token, result, index)
+                touched[state.request_id] = state
+                continue
             if copy > 0:
                 seq = self._fork(state, seq, copy, token)
                 self._add_logprobs(seq, result, index, token, replace=True)
@@ -66,6 +72,32 @@ class OutputProcessor:
             self._after_token(state, seq, token)
             touched[state.request_id] = state
         return [self.engine._report(state) for state in touched.values()]
+
+    def _record_first_token(self, state, seq, copy, token, result, index) -> None:
+        if copy == 0:
+            seq.append_token(token)
+            self._add_logprobs(seq, result, index, token)
+            seq.first_tokens = [token]
+            if state.first_token_time is None:
+                state.first_token_time = time.monotonic()
+        else:
+            seq.first_tokens.append(token)
+
+    def accept_first_tokens(self, seq: Sequence, tokens: list[int],
+                            logprobs: dict[int, float] | None = None) -> None:
+        """A CE takes over a sequence whose first token(s) a PE sampled: the same stop checks
+        and (for n > 1) the same forks a NORMAL engine would have made."""
+        state = self.engine.requests[seq.request_id]
+        for copy, token in enumerate(tokens):
+            target = seq
+            if copy == 0:
+                seq.append_token(token)
+            else:
+                target = self._fork(state, seq, copy, token)
+            if logprobs is not None and copy == 0 and seq.sampling_params.logprobs is not None:
+                seq.output_logprobs.append(dict(logprobs))
+                seq.cumulative_logprob += logprobs.get(token, 0.0)
+            self._after_token(state, target, token)
 
     def _fork(self, state: RequestState, parent: Sequence, copy: int, token: int) -> Sequence:
         child = self.engine.scheduler.fork_seq(

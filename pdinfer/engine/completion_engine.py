@@ -1,0 +1,164 @@
+"""``CompletionEngine``: a COMPLETION engine that takes requests over from prefill engines.
+
+Decode allocates first: ``reserve`` builds the sequence with ``add_request(enqueue=False)`` and
+takes blocks for the prompt plus a decode margin, or refuses at once when there is no room
+(back-pressure: the caller picks another CE). The PE pushes K/V into those blocks; the sequence
+is enqueued into ``prompted`` only once everything arrived and checked out (request id, token
+count, block list, size, checksum). It is never re-prefilled here: a CE has no prefill channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import torch
+
+from pdinfer.config import EngineArgs
+from pdinfer.engine.llm_engine import LLMEngine
+from pdinfer.engine.pd_common import KVTransferConfig, Reservation, kv_layout
+from pdinfer.engine_type import EngineType
+from pdinfer.kv_transfer.connector import Arrival
+from pdinfer.kv_transfer.protocol import KVAbort, checksum
+from pdinfer.sampling_params import SamplingParams
+from pdinfer.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("pdinfer")
+
+
+class NoRoomError(RuntimeError):
+    """This CE cannot hold the request now (back-pressure); try another CE or later."""
+
+
+class CompletionEngine(LLMEngine):
+    def __init__(self, engine_args: EngineArgs, dp_group=None):
+        if engine_args.role is not EngineType.COMPLETION:
+            raise ValueError("CompletionEngine needs engine_type=COMPLETION")
+        self.pd_config = KVTransferConfig.from_dict(engine_args.kv_transfer)
+        super().__init__(engine_args, dp_group)
+
+    def init_pd_split(self) -> None:
+        self.connector = self.pd_config.make_connector(listen=True, engine_type=self.engine_type.value)
+        self.connector.register(kv_layout(self))
+        self.reservations: dict[str, Sequence] = {}  # transfer id -> sequence waiting for its K/V
+        self.refused_transfers = 0
+
+    @property
+    def kv_address(self) -> str:
+        return self.connector.address
+
+    # --- reservations --------------------------------------------------------------------------------
+    def reserve(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
+                arrival_time: float | None = None) -> Reservation:
+        seq = self.add_request(request_id, prompt, sampling_params, arrival_time, enqueue=False)
+        bm = self.block_manager
+        needed = bm.blocks_for(seq.num_prompt_tokens + self.pd_config.decode_margin_tokens)
+        if needed > bm.num_free_blocks or len(self.scheduler.running) >= self.scheduler_config.max_num_seqs:
+            del self.requests[request_id]
+            raise NoRoomError(f"no room for {seq.num_prompt_tokens} prompt tokens: {bm.num_free_blocks} "
+                              f"free KV blocks, {needed} needed")
+        seq.block_table = bm.allocate_blocks(needed)
+        transfer_id = uuid.uuid4().hex
+        seq.handoff = {"transfer_id": transfer_id, "deadline": time.monotonic() + self.pd_config.reservation_timeout_s}
+        self.reservations[transfer_id] = seq
+        return Reservation(transfer_id=transfer_id, request_id=request_id, address=self.kv_address,
+                           instance_id=self.connector.instance_id, block_ids=list(seq.block_table),
+                           num_prompt_tokens=seq.num_prompt_tokens)
+
+    def step(self):
+        self._accept_arrivals()
+        return super().step()
+
+    def has_unfinished_requests(self) -> bool:
+        return super().has_unfinished_requests() or bool(self.reservations)
+
+    def abort_request(self, request_id: str) -> None:
+        for transfer_id, seq in list(self.reservations.items()):
+            if seq.request_id == request_id:
+                # Nothing writes into reserved blocks before its arrival is accepted (on this
+                # thread), so they can be freed at once.
+                self._drop_reservation(transfer_id, "aborted")
+                return
+        super().abort_request(request_id)
+
+    # --- arrivals ------------------------------------------------------------------------------------
+    def _accept_arrivals(self) -> None:
+        for event in self.connector.events():
+            if isinstance(event, KVAbort) and event.transfer_id in self.reservations:
+                self._drop_reservation(event.transfer_id, "aborted by the prefill engine")
+            elif isinstance(event, KVAbort) and event.request_id in self.requests:
+                super().abort_request(event.request_id)
+        for arrival in self.connector.receive():
+            self._accept(arrival)
+        now = time.monotonic()
+        for transfer_id, seq in list(self.reservations.items()):
+            if now > seq.handoff["deadline"]:
+                self._drop_reservation(transfer_id, "the prefill engine did not deliver the K/V in "
+                                                    f"{self.pd_config.reservation_timeout_s:.0f} s")
+
+    def _accept(self, arrival: Arrival) -> None:
+        push = arrival.push
+        seq = self.reservations.get(push.transfer_id)
+        error = self._verify(arrival, seq)
+        if error is not None:
+            self.refused_transfers += 1
+            logger.warning("refused K/V for transfer %s: %s", push.transfer_id, error)
+            self.connector.confirm(arrival, ok=False, error=error)
+            if seq is not None:  # a corrupted transfer is refused, never decoded
+                self._drop_reservation(push.transfer_id, f"K/V hand-off refused: {error}")
+            return
+        del self.reservations[push.transfer_id]
+        cache = self.model_runner.cache
+        data = torch.frombuffer(bytearray(arrival.payload), dtype=torch.uint8)
+        blocks = data.view(cache.dtype).view(len(push.block_ids), *cache.block_shape)
+        write = self.executor.submit_call(cache.write_blocks, list(push.block_ids), blocks)
+        write.add_done_callback(lambda f: self.connector.confirm(
+            arrival, ok=f.exception() is None, error=None if f.exception() is None else str(f.exception())))
+        seq.seed = push.seed
+        seq.num_computed_tokens = push.num_tokens
+        seq.handoff = None
+        self.output_processor.accept_first_tokens(seq, push.first_tokens or [push.first_token],
+                                                  push.first_logprobs)
+        if not seq.is_finished:
+            self.scheduler.add_prompted(seq)
+        self._ready_outputs.append(self._report(self.requests[seq.request_id]))
+
+    def _verify(self, arrival: Arrival, seq: Sequence | None) -> str | None:
+        push, cache = arrival.push, self.model_runner.cache
+        if seq is None:
+            return f"unknown or expired transfer {push.transfer_id}"
+        if push.instance_id != self.connector.instance_id:
+            return "the reservation was made with an earlier instance of this engine"
+        if push.request_id != seq.request_id:
+            return f"request id {push.request_id!r} does not match the reservation ({seq.request_id!r})"
+        if push.num_tokens != seq.num_prompt_tokens:
+            return f"{push.num_tokens} tokens of K/V for a prompt of {seq.num_prompt_tokens}"
+        expected_blocks = self.block_manager.blocks_for(push.num_tokens)
+        if list(push.block_ids) != seq.block_table[:expected_blocks]:
+            return "the K/V targets blocks that were not reserved for it"
+        size = len(arrival.payload)
+        if size != push.nbytes or size != expected_blocks * cache.bytes_per_block:
+            return f"payload of {size} bytes, expected {expected_blocks * cache.bytes_per_block}"
+        if checksum(arrival.payload) != push.checksum:
+            return "checksum mismatch: the K/V was corrupted in transit"
+        tokens = push.first_tokens or [push.first_token]
+        if len(tokens) != seq.sampling_params.n or any(not 0 <= t < self.spec.vocab_size for t in tokens):
+            return "invalid first tokens"
+        return None
+
+    def _drop_reservation(self, transfer_id: str, error: str) -> None:
+        seq = self.reservations.pop(transfer_id, None)
+        if seq is None:
+            return
+        self.block_manager.free(seq)
+        seq.finish(SequenceStatus.FINISHED_ABORTED, error=error)
+        state = self.requests.get(seq.request_id)
+        if state is not None:
+            state.error = error
+            state.expected_seqs = len(state.seqs)
+            self._ready_outputs.append(self._report(state))
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.connector.close()

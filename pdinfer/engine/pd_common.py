@@ -1,0 +1,98 @@
+"""What the PE and CE share: the KV layout, reservations, connector settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from pdinfer.kv_transfer.connector import KVConnector
+from pdinfer.kv_transfer.protocol import KVLayout
+
+DEFAULT_LEASE_S = 30.0  # PE: free a handed-over request's blocks if the CE has not confirmed
+DEFAULT_RESERVATION_TIMEOUT_S = 60.0  # CE: drop a reservation whose K/V never arrived
+DEFAULT_DECODE_MARGIN_TOKENS = 16  # CE: reserve this much room for decode beyond the prompt
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """``EngineArgs.kv_transfer`` turned into settings (unknown keys are refused)."""
+
+    connector: str = "tcp"  # "tcp" or "local"
+    host: str = "127.0.0.1"  # CE: where to listen
+    port: int = 0  # CE: 0 picks a free port
+    name: str | None = None  # local connector: the address name
+    secret: str | None = None  # shared secret: pushes not signed with it are refused
+    lease_s: float = DEFAULT_LEASE_S
+    reservation_timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S
+    decode_margin_tokens: int = DEFAULT_DECODE_MARGIN_TOKENS
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> KVTransferConfig:
+        unknown = set(values) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown kv_transfer settings: {sorted(unknown)}")
+        config = cls(**values)
+        if config.connector not in ("tcp", "local"):
+            raise ValueError(f"kv_transfer connector must be 'tcp' or 'local', got {config.connector!r}")
+        if config.lease_s <= 0 or config.reservation_timeout_s <= 0:
+            raise ValueError("kv_transfer lease_s and reservation_timeout_s must be positive")
+        return config
+
+    def make_connector(self, listen: bool, engine_type: int) -> KVConnector:
+        if self.connector == "local":
+            from pdinfer.kv_transfer.local import LocalConnector
+
+            return LocalConnector(self.name, secret=self.secret, listen=listen)
+        from pdinfer.kv_transfer.tcp import TcpConnector
+
+        return TcpConnector(self.host if listen else None, self.port, secret=self.secret,
+                            engine_type=engine_type)
+
+
+class Reservation(msgspec.Struct):
+    """A CE's answer to "decode this request": where to send its K/V. Sent to the PE as-is."""
+
+    transfer_id: str
+    request_id: str
+    address: str  # the CE connector's address
+    instance_id: str  # the CE process instance the blocks belong to
+    block_ids: list[int]
+    num_prompt_tokens: int
+
+
+def kv_layout(engine) -> KVLayout:
+    spec = engine.spec
+    return KVLayout(
+        model=model_fingerprint(engine),
+        dtype=str(engine.dtype).removeprefix("torch."),
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        block_size=engine.cache_config.block_size,
+    )
+
+
+def model_fingerprint(engine) -> str:
+    """Architecture, shapes and weights identity: two engines with different weights differ."""
+    args = engine.args
+    weights = f"dummy:{args.seed}" if args.load_format == "dummy" else engine.model_folder.rstrip("/").split("/")[-1]
+    text = json.dumps([dataclasses.asdict(engine.spec), weights], sort_keys=True, default=str)
+    return f"{engine.spec.architecture}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+@dataclass
+class Handoff:
+    """PE-side state of one request being handed over."""
+
+    reservation: Reservation
+    kv_future: Any = None  # the K/V copy, queued behind the prefill forward
+    deadline: float = 0.0  # lease end
+    started: float = 0.0
+    nbytes: int = 0
+    sent: bool = False
+    extra: dict = field(default_factory=dict)

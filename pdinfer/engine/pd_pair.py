@@ -1,0 +1,61 @@
+"""Drive a prefill engine and a completion engine together in one process.
+
+The same protocol as across processes (reserve on the CE, prefill and push on the PE, decode on
+the CE), for tests, notebooks and the P/D benchmarks. The engines may use the in-process or the
+TCP connector.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from pdinfer.engine.completion_engine import CompletionEngine
+from pdinfer.engine.prefill_engine import PrefillEngine
+from pdinfer.outputs import RequestOutput
+from pdinfer.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class PDPair:
+    def __init__(self, pe: PrefillEngine, ce: CompletionEngine):
+        self.pe, self.ce = pe, ce
+        self.errors: dict[str, RequestOutput] = {}
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
+        """Reserve on the CE first (raises NoRoomError when it is full), then prefill on the PE."""
+        reservation = self.ce.reserve(request_id, prompt, params)
+        try:
+            self.pe.add_request(request_id, prompt, params, reservation=reservation)
+        except Exception:
+            self.ce.abort_request(request_id)
+            raise
+
+    def abort_request(self, request_id: str) -> None:
+        self.pe.abort_request(request_id)
+        self.ce.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.pe.has_unfinished_requests() or self.ce.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """One step of each engine; returns the CE's outputs and the PE's failures."""
+        outputs = []
+        for out in self.pe.step():
+            if out.finished and out.error:
+                self.errors[out.request_id] = out
+                outputs.append(out)
+        outputs += self.ce.step()
+        return outputs
+
+    def generate(self, prompts, params: SamplingParams) -> list[RequestOutput]:
+        batch = next(_ids)
+        ids = [f"pd-{batch}-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts):
+            self.add_request(request_id, prompt, params)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished and out.request_id in ids:
+                    final.setdefault(out.request_id, out)
+        return [final[i] for i in ids]

@@ -1,0 +1,184 @@
+"""``PrefillEngine``: a PROMPT engine that hands each prefilled request, its K/V and its first
+token to a completion engine (CE).
+
+Hook by hook (the seed's step order):
+- ``init_pd_split``: start the connector once the KV cache exists;
+- ``post_schedule``: note which sequences finish their prompt this step; collect CE acks and
+  expired leases; release aborted sequences that are not in transfer;
+- ``pe_prepare_save_kvcache``: queue the K/V copy of those sequences behind the forward (it
+  overlaps the sampling sync);
+- ``pe_do_save_kvcache``: the first token is known now: push K/V + token to the CE;
+- ``send_processed_prompts``: take them out of the scheduler. Their blocks stay ours until the
+  CE confirms (or the lease runs out): a block is never freed while its K/V may still be read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pdinfer.config import EngineArgs
+from pdinfer.core.outputs import SchedulerOutputs
+from pdinfer.engine.llm_engine import LLMEngine
+from pdinfer.engine.pd_common import Handoff, KVTransferConfig, Reservation, kv_layout
+from pdinfer.engine_type import EngineType
+from pdinfer.kv_transfer.connector import HandshakeError
+from pdinfer.kv_transfer.protocol import KVAbort, KVAck, KVPush, checksum
+from pdinfer.sampling_params import SamplingParams
+from pdinfer.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("pdinfer")
+
+
+class PrefillEngine(LLMEngine):
+    def __init__(self, engine_args: EngineArgs, dp_group=None):
+        if engine_args.role is not EngineType.PROMPT:
+            raise ValueError("PrefillEngine needs engine_type=PROMPT")
+        self.pd_config = KVTransferConfig.from_dict(engine_args.kv_transfer)
+        super().__init__(engine_args, dp_group)
+        self.output_processor.prefill_only = True
+
+    # --- hooks -----------------------------------------------------------------------------------
+    def init_pd_split(self) -> None:
+        self.connector = self.pd_config.make_connector(listen=False, engine_type=self.engine_type.value)
+        self.connector.register(kv_layout(self))
+        self.handoffs: dict[str, Sequence] = {}  # transfer id -> sequence awaiting the CE's ack
+        self._completing: list[Sequence] = []
+        self.handoff_stats = {"count": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
+
+    def post_schedule(self, outputs: SchedulerOutputs) -> None:
+        for seq in outputs.finished_seqs:  # aborted before they were handed over
+            if seq.handoff is None or not seq.handoff.sent:
+                self._release(seq)
+        self._completing = [seq for seq, done in zip(outputs.scheduled_seqs, outputs.do_sample) if done]
+        self._collect_acks()
+
+    def pe_prepare_save_kvcache(self, scheduled, finished) -> None:
+        cache, bm = self.model_runner.cache, self.block_manager
+        for seq in self._completing:
+            blocks = seq.block_table[: bm.blocks_for(seq.num_prompt_tokens)]
+            seq.handoff.kv_future = self.executor.submit_call(cache.read_blocks, blocks)
+
+    def pe_do_save_kvcache(self, scheduled, finished) -> None:
+        now = time.monotonic()
+        for seq in self._completing:
+            if seq.is_finished:  # aborted while its prefill ran
+                continue
+            self._push(seq, now)
+
+    def send_processed_prompts(self) -> None:
+        for seq in self._completing:
+            if seq.handoff.sent:
+                self.scheduler.remove_seq(seq)
+        self._completing = []
+
+    # --- requests ----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
+                    arrival_time: float | None = None, enqueue: bool = True,
+                    reservation: Reservation | None = None) -> Sequence:
+        """Prefill ``prompt`` and hand it to the CE that made ``reservation``."""
+        if reservation is None:
+            raise ValueError("a prefill engine needs a reservation from a completion engine")
+        if reservation.request_id != request_id:
+            raise ValueError("the reservation belongs to another request")
+        self._ensure_connected(reservation)
+        seq = super().add_request(request_id, prompt, sampling_params, arrival_time, enqueue=False)
+        if seq.num_prompt_tokens != reservation.num_prompt_tokens:
+            self.requests.pop(request_id, None)
+            raise ValueError(f"the reservation is for {reservation.num_prompt_tokens} prompt tokens, "
+                             f"the prompt has {seq.num_prompt_tokens}")
+        seq.handoff = Handoff(reservation=reservation)
+        if enqueue:
+            self.scheduler.add_sequence(seq)
+        return seq
+
+    def _ensure_connected(self, reservation: Reservation) -> None:
+        known = getattr(self.connector, "peer_instance", lambda _a: None)(reservation.address)
+        if known != reservation.instance_id:
+            instance = self.connector.connect(reservation.address)  # raises HandshakeError
+            if instance != reservation.instance_id:
+                raise HandshakeError(
+                    f"the CE at {reservation.address} restarted since it made the reservation")
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.requests.get(request_id)
+        if state is not None:
+            for seq in state.seqs:
+                if seq.handoff is not None and seq.handoff.sent and not seq.is_finished:
+                    self._fail(seq, "aborted", notify_ce=True)
+        super().abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return super().has_unfinished_requests() or bool(self.handoffs)
+
+    # --- the hand-off ------------------------------------------------------------------------------
+    def _push(self, seq: Sequence, now: float) -> None:
+        reservation: Reservation = seq.handoff.reservation
+        kv = seq.handoff.kv_future.result()
+        data = kv.contiguous().view(-1).view(dtype=torch.uint8).numpy()
+        num_blocks = kv.shape[0]
+        push = KVPush(
+            transfer_id=reservation.transfer_id, request_id=seq.request_id,
+            instance_id=reservation.instance_id, num_tokens=seq.num_prompt_tokens,
+            first_token=seq.first_tokens[0], first_tokens=list(seq.first_tokens), seed=seq.seed,
+            block_ids=reservation.block_ids[:num_blocks], nbytes=data.nbytes, checksum=checksum(data),
+            first_logprobs=seq.output_logprobs[0] if seq.output_logprobs else None,
+        )
+        self.connector.send(reservation.address, push, data)
+        seq.handoff.kv_future = None
+        seq.handoff.sent, seq.handoff.started = True, now
+        seq.handoff.deadline, seq.handoff.nbytes = now + self.pd_config.lease_s, data.nbytes
+        seq.status = SequenceStatus.HANDED_OFF
+        self.handoffs[reservation.transfer_id] = seq
+
+    def _collect_acks(self) -> None:
+        for event in self.connector.events():
+            if not isinstance(event, KVAck):
+                continue
+            seq = self.handoffs.pop(event.transfer_id, None)
+            if seq is None:
+                continue
+            if event.ok:
+                self.handoff_stats["count"] += 1
+                self.handoff_stats["bytes"] += seq.handoff.nbytes
+                self.handoff_stats["seconds"] += time.monotonic() - seq.handoff.started
+                self._finish(seq, SequenceStatus.FINISHED_HANDED_OFF, None)
+            else:
+                self._fail(seq, f"the completion engine refused the hand-off: {event.error}")
+        now = time.monotonic()
+        for seq in list(self.handoffs.values()):
+            if now > seq.handoff.deadline:
+                self._fail(seq, f"no confirmation from the completion engine within "
+                                f"{self.pd_config.lease_s:.0f} s (lease expired)", notify_ce=True)
+
+    def _fail(self, seq: Sequence, error: str, notify_ce: bool = False) -> None:
+        reservation = seq.handoff.reservation
+        self.handoffs.pop(reservation.transfer_id, None)
+        if notify_ce:
+            self.connector.abort(reservation.address, KVAbort(transfer_id=reservation.transfer_id,
+                                                              request_id=seq.request_id))
+        self.handoff_stats["failed"] += 1
+        self._finish(seq, SequenceStatus.FINISHED_ABORTED, error)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, error: str | None) -> None:
+        seq.finish(status, error=error)
+        self._release(seq)
+        state = self.requests.get(seq.request_id)
+        if state is not None:
+            if error:
+                state.error = error
+            self._ready_outputs.append(self._report(state))
+
+    def _release(self, seq: Sequence) -> None:
+        # PROMPT never goes through finalize_seq: this is the only place a PE frees blocks.
+        if seq.handoff is not None and seq.handoff.kv_future is not None:
+            seq.handoff.kv_future.result()  # a K/V copy still reads these blocks
+        self.scheduler.free_seq(seq)
+        self.step_builder.forget(seq)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.connector.close()
+

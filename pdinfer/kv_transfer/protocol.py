@@ -1,0 +1,107 @@
+"""Typed messages of the KV hand-off, their encoding, integrity checks and authentication."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import zlib
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    """What one side's KV cache looks like; both sides of a hand-off must agree on all of it."""
+
+    model: str  # architecture + shape fingerprint
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        diffs = [f"{name}: {getattr(self, name)!r} here vs {getattr(other, name)!r} there"
+                 for name in self.__struct_fields__ if getattr(self, name) != getattr(other, name)]
+        return "; ".join(diffs) or None
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    layout: KVLayout
+    engine_type: int
+    version: int = PROTOCOL_VERSION
+
+
+class HelloAck(msgspec.Struct, tag="hello_ack"):
+    ok: bool
+    instance_id: str  # changes when the CE restarts: stale reservations are never trusted
+    error: str | None = None
+
+
+class KVPush(msgspec.Struct, tag="push"):
+    """The prefix K/V of one request (payload frame) and its first sampled token."""
+
+    transfer_id: str
+    request_id: str
+    instance_id: str  # the CE instance the reservation was made with
+    num_tokens: int  # prompt tokens whose K/V is in the payload
+    first_token: int
+    first_tokens: list[int]  # n > 1: the first token of every output (the CE forks the rest)
+    seed: int
+    block_ids: list[int]  # CE blocks to write, in order
+    nbytes: int
+    checksum: int  # crc32 of the payload
+    first_logprobs: dict[int, float] | None = None
+
+
+class KVAck(msgspec.Struct, tag="ack"):
+    """CE -> PE: the push was written and enqueued (ok) or refused (with the reason)."""
+
+    transfer_id: str
+    ok: bool
+    error: str | None = None
+
+
+class KVAbort(msgspec.Struct, tag="abort"):
+    transfer_id: str
+    request_id: str
+
+
+Message = Hello | HelloAck | KVPush | KVAck | KVAbort
+
+
+class Envelope(msgspec.Struct):
+    """A message with its authentication tag (HMAC of the encoded message, when a secret is set)."""
+
+    body: bytes
+    auth: bytes = b""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_message_decoder = msgspec.msgpack.Decoder(Message)
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+
+
+class AuthError(ValueError):
+    pass
+
+
+def encode(message: Message, secret: bytes | None) -> bytes:
+    body = _encoder.encode(message)
+    auth = hmac.new(secret, body, hashlib.sha256).digest() if secret else b""
+    return _encoder.encode(Envelope(body=body, auth=auth))
+
+
+def decode(frame: bytes, secret: bytes | None) -> Message:
+    """Decode and authenticate one frame; raises ``AuthError`` / ``msgspec.DecodeError``."""
+    envelope = _envelope_decoder.decode(frame)
+    if secret:
+        expected = hmac.new(secret, envelope.body, hashlib.sha256).digest()
+        if not hmac.compare_digest(expected, envelope.auth):
+            raise AuthError("message not signed with this CE's shared secret")
+    return _message_decoder.decode(envelope.body)
+
+
+def checksum(payload) -> int:
+    return zlib.crc32(payload) & 0xFFFFFFFF
