@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger("pdinfer")
 
 # Hugging Face "architectures" entries we implement, and the family each belongs to.
 SUPPORTED_ARCHITECTURES = {
@@ -68,7 +71,7 @@ class ModelSpec:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_scaling.pop("rope_theta")),
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=_max_context(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
             o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
@@ -83,6 +86,31 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers, for float32."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+
+def _max_context(cfg: dict[str, Any]) -> int:
+    """The model's context, capped at its sliding window: attention here is always full, which
+    equals sliding-window attention only while a sequence fits in the window."""
+    max_len = cfg.get("max_position_embeddings", 2048)
+    window = _sliding_window(cfg)
+    if window is not None and window < max_len:
+        logger.warning("sliding-window attention is not implemented: context capped at the "
+                       "window, %d tokens (the model allows %d)", window, max_len)
+        return window
+    return max_len
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The attention window of any layer, as transformers applies it, or None."""
+    window = cfg.get("sliding_window")
+    if window is None or cfg.get("use_sliding_window") is False:  # Qwen keeps a value it ignores
+        return None
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    if "max_window_layers" in cfg and cfg["max_window_layers"] >= cfg["num_hidden_layers"]:
+        return None  # Qwen2: only layers from max_window_layers on slide
+    return window
 
 
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:

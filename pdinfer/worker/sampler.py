@@ -31,7 +31,9 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     row = hash32(hash32(seeds & _MASK32) ^ (positions & _MASK32))
     vocab = (torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * _GOLDEN) & _MASK32
     h = hash32(row[:, None] ^ vocab[None, :])
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: (k + 0.5) / 2**23 is exact in float32, so u < 1 and -log(u) > 0 (with 24 bits
+    # the top value rounds to 1.0, and p / -log(u) becomes inf, or NaN for a filtered token).
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
@@ -130,6 +132,7 @@ def _top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.any_top_p:
         probs = torch.softmax(sorted_logits, dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
-        drop = (before >= t.top_p[:, None]) & (rank > 0)
+        # top_p = 1 is off: rounding must not let the cumulative mass reach it early.
+        drop = (before >= t.top_p[:, None]) & (rank > 0) & (t.top_p[:, None] < 1.0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
