@@ -94,11 +94,14 @@ class LLMEngine:
         else:
             self.num_blocks = self.model_runner.profile_num_blocks(
                 cc.kv_cache_memory_bytes, cc.block_size, sc.max_num_batched_tokens,
-                sc.max_num_seqs, self.args.num_draft_tokens)
+                sc.max_num_seqs, self.args.num_draft_tokens,
+                gpu_memory_utilization=cc.gpu_memory_utilization)
         self.model_runner.init_cache(self.num_blocks, cc.block_size)
         if self.engine_type is not EngineType.NORMAL:
             # After the KV cache exists (a connector may register it), before graph capture.
             self.init_pd_split()
+        if self.use_cuda_graph:  # the warm-up step: capture decode graphs over the real cache
+            self.model_runner.capture_cuda_graphs(sc.max_num_seqs, sc.max_model_len)
 
     # --- the hooks (base implementations are the seed's defaults) ---------------------------------
     def init_pd_split(self) -> None:

@@ -18,6 +18,15 @@ from pdinfer.layers.rotary import RotaryEmbedding, apply_rotary
 from pdinfer.models.spec import ModelSpec
 
 
+def _cuda_ops(x: torch.Tensor):
+    """The fused Triton kernels (pdinfer/layers/triton_ops.py) for CUDA tensors, else None."""
+    if not x.is_cuda:
+        return None
+    from pdinfer.layers import triton_ops
+
+    return triton_ops if triton_ops.HAS_TRITON else None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -25,6 +34,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (ops := _cuda_ops(x)) is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -57,7 +68,10 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if (ops := _cuda_ops(q)) is not None:
+            q, k = ops.rotary_qk_(q, k, cos, sin)  # in place, one kernel for both
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache[:, self.layer_idx], meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -70,6 +84,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (ops := _cuda_ops(x)) is not None:
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -53,3 +53,79 @@ class CacheEngine:
     @property
     def block_shape(self) -> tuple[int, ...]:
         return tuple(self.kv.shape[1:])
+
+    # --- pinned-host staging for the KV hand-off (asynchronous on CUDA) -------------------------
+    def read_blocks_async(self, block_ids: list[int]) -> tuple[torch.Tensor, CopyEvent]:
+        """Copy blocks to host memory without blocking: ``(host [n, *block_shape], event)``.
+
+        On CUDA the host tensor is pinned and filled on a side stream that first waits for the
+        work already queued (the steps that wrote these blocks); it is valid once
+        ``event.synchronize()`` returns. Block-major: each run of consecutive block ids is one
+        device-to-host copy, with no device-side gather buffer. On CPU: a copy, already done.
+        """
+        if self.device.type != "cuda":
+            return self.read_blocks(block_ids), CopyEvent(None)
+        host = torch.empty((len(block_ids), *self.block_shape), dtype=self.dtype, pin_memory=True)
+        stream = self._copy_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for dst, src, n in _runs(block_ids):
+                host[dst : dst + n].copy_(self.kv[src : src + n], non_blocking=True)
+            return host, CopyEvent(_recorded(stream))
+
+    def write_blocks_async(self, block_ids: list[int], host: torch.Tensor) -> CopyEvent:
+        """Copy host blocks ``[n, *block_shape]`` into the cache without blocking.
+
+        On CUDA ``host`` should be pinned and must stay alive and unchanged until the event
+        completes; a step that reads these blocks must come after ``event.synchronize()`` (or
+        ``torch.cuda.current_stream().wait_event(event.event)``). On CPU: done on return.
+        """
+        if self.device.type != "cuda":
+            self.write_blocks(block_ids, host)
+            return CopyEvent(None)
+        if host.dtype != self.dtype:
+            host = host.to(self.dtype)
+        stream = self._copy_stream()
+        # A reused block may still be read by a step in flight: write after queued work.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for src, dst, n in _runs(block_ids):
+                self.kv[dst : dst + n].copy_(host[src : src + n], non_blocking=True)
+            return CopyEvent(_recorded(stream))
+
+    def _copy_stream(self):
+        if getattr(self, "_stream", None) is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+
+class CopyEvent:
+    """Completion of an asynchronous block copy (a CUDA event; None: already complete)."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def query(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+def _recorded(stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index in block_ids, first block id, length) of each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs

@@ -39,10 +39,17 @@ class ModelRunner:
         # Sampled tokens of the last few steps, on the device, by step id (zero-overhead
         # scheduling feeds them to the next step before the host has seen them).
         self._recent: OrderedDict[int, torch.Tensor] = OrderedDict()
+        # CUDA: Triton kernels, CUDA graphs, asynchronous results (pdinfer/worker/gpu_runner.py)
+        self.gpu = None
+        if device.type == "cuda":
+            from pdinfer.worker.gpu_runner import GpuStepRunner
+
+            self.gpu = GpuStepRunner(self)
 
     # --- KV capacity ---------------------------------------------------------------------------
     def profile_num_blocks(self, memory_bytes: int, block_size: int, max_num_batched_tokens: int,
-                           max_num_seqs: int, num_draft_tokens: int) -> int:
+                           max_num_seqs: int, num_draft_tokens: int,
+                           gpu_memory_utilization: float = 0.9) -> int:
         """KV blocks that fit next to the peak activations of this role's largest step.
 
         PROMPT/NORMAL engines size for a full prefill step, COMPLETION engines for a decode
@@ -53,6 +60,9 @@ class ModelRunner:
             rows = tokens
         else:
             tokens, rows = max_num_batched_tokens, max_num_seqs
+        if self.gpu is not None:  # measured: a dummy step of this shape, real peak memory
+            decode = self.engine_type is EngineType.COMPLETION
+            return self.gpu.profile_num_blocks(block_size, tokens, rows, decode, gpu_memory_utilization)
         peak = self.activation_bytes(tokens, rows)
         per_block = block_bytes(self.spec, block_size, self.dtype)
         num_blocks = (memory_bytes - peak) // per_block
@@ -74,12 +84,21 @@ class ModelRunner:
 
     def init_cache(self, num_blocks: int, block_size: int) -> CacheEngine:
         self.cache = CacheEngine(self.spec, num_blocks, block_size, self.dtype, self.device)
+        if self.gpu is not None:
+            self.gpu.init_cache(self.cache)
         return self.cache
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode CUDA graphs (after the KV cache exists; CUDA only)."""
+        if self.gpu is not None:
+            self.gpu.capture_cuda_graphs(max_num_seqs, max_model_len)
 
     # --- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, inp: StepInput) -> StepResult:
         assert self.cache is not None, "init_cache first"
+        if self.gpu is not None:
+            return self.gpu.execute(inp)  # a PendingStepResult; DeviceStepFuture waits for it
         self.cache.copy_blocks(inp.clone_blocks)
         if inp.num_tokens == 0:
             return StepResult(step_id=inp.step_id, token_ids=[])
@@ -142,12 +161,17 @@ class StepExecutor:
 
     def launch(self, inp: StepInput) -> Future:
         if self._pool is not None:
-            return self._pool.submit(self._run, inp)
-        future: Future = Future()
-        try:
-            future.set_result(self._run(inp))
-        except BaseException as exc:  # noqa: BLE001 - delivered to whoever waits on it
-            future.set_exception(exc)
+            future = self._pool.submit(self._run, inp)
+        else:
+            future = Future()
+            try:
+                future.set_result(self._run(inp))
+            except BaseException as exc:  # noqa: BLE001 - delivered to whoever waits on it
+                future.set_exception(exc)
+        if self.runner.gpu is not None:
+            from pdinfer.worker.gpu_runner import DeviceStepFuture
+
+            return DeviceStepFuture(future)  # result() also waits for the device
         return future
 
     def _run(self, inp: StepInput) -> StepResult:

@@ -1,0 +1,136 @@
+"""Fused elementwise kernels for CUDA (Triton): RMSNorm, rotary embedding of Q and K, SiLU-and-mul.
+
+Each replaces 5-10 small torch kernels with one. The rounding follows the Hugging Face bf16
+reference step by step (each product rounded to the activation dtype where torch rounds it), so
+the fused path and transformers agree bit for bit on most elements.
+
+Triton is optional: on a machine without it ``HAS_TRITON`` is False and callers keep the torch
+code. Tests run these kernels on the CPU with ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs: the torch path is used
+    triton = tl = None
+    HAS_TRITON = False
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
+                         BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        var = tl.sum(x * x, axis=0) / n_cols
+        normed = (x * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotate_heads(x_ptr, row, stride_t, stride_h, num_heads, c, s,
+                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+        heads = tl.arange(0, HEADS_PAD)
+        d = tl.arange(0, HALF_PAD)
+        mask = (heads[:, None] < num_heads) & (d[None, :] < HALF)
+        ptr = x_ptr + row * stride_t + heads[:, None] * stride_h + d[None, :]
+        x1 = tl.load(ptr, mask=mask, other=0.0)
+        x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
+        dtype = x1.dtype
+        x1 = x1.to(tl.float32)
+        x2 = x2.to(tl.float32)
+        # q * cos + rotate_half(q) * sin, each product rounded as torch rounds it in bf16
+        a1 = (x1 * c).to(dtype).to(tl.float32)
+        b1 = (x2 * s).to(dtype).to(tl.float32)
+        a2 = (x2 * c).to(dtype).to(tl.float32)
+        b2 = (x1 * s).to(dtype).to(tl.float32)
+        tl.store(ptr, (a1 - b1).to(dtype), mask=mask)
+        tl.store(ptr + HALF, (a2 + b2).to(dtype), mask=mask)
+
+    @triton.jit
+    def _rotary_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt,
+                          stride_kh, stride_ct, num_q_heads, num_k_heads,
+                          HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, HALF_PAD)
+        dmask = d < HALF
+        # cos/sin are cat(freqs, freqs): the first half serves both halves of a head
+        c = tl.load(cos_ptr + row * stride_ct + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + row * stride_ct + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        if tl.program_id(1) == 0:
+            _rotate_heads(q_ptr, row, stride_qt, stride_qh, num_q_heads, c, s, HALF, HALF_PAD, HEADS_PAD)
+        else:
+            _rotate_heads(k_ptr, row, stride_kt, stride_kh, num_k_heads, c, s, HALF, HALF_PAD, HEADS_PAD)
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        dtype = gate.dtype
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x)).to(x.dtype)`` over the last dimension, in one kernel."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        n = shape[-1]
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), n, eps,
+                                         BLOCK=next_pow2(n), num_warps=4 if n <= 4096 else 8)
+    return out.view(shape)
+
+
+def rotary_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate q [T, H, D] and k [T, KVH, D] in place (rotate-half form); returns (q, k).
+
+    q and k may be strided views (e.g. splits of one fused QKV output); the last dim must be
+    contiguous. Only the first ``cos.shape[-1]`` dims of a head rotate (partial rotary).
+    """
+    t = q.shape[0]
+    rotary_dim = cos.shape[-1]
+    if t == 0:
+        return q, k
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
+        raise ValueError("rotary_qk_ needs unit stride in the last dim and matching cos/sin")
+    half = rotary_dim // 2
+    heads_pad = next_pow2(max(q.shape[1], k.shape[1]))
+    _rotary_qk_kernel[(t, 2)](q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                              cos.stride(0), q.shape[1], k.shape[1], HALF=half,
+                              HALF_PAD=next_pow2(half), HEADS_PAD=heads_pad, num_warps=4)
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = cat(gate, up)`` along the last dim."""
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        block = min(2048, next_pow2(n))
+        _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), n,
+                                                             BLOCK=block, num_warps=4)
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,94 @@
+"""CUDA graphs for decode steps: one graph per bucketed batch size, captured once at start-up.
+
+A decode step of B sequences replays the graph of the smallest bucket >= B; rows B.. are
+padding (KV slot -1: nothing written; context 0: nothing read). The graph covers the whole
+forward and the logits; sampling stays outside (its branches depend on the batch's settings).
+The attention grid depends only on the bucket (see ``decode_num_splits``), so one graph serves
+every context length. Graphs are off for PROMPT engines and with ``enforce_eager``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pdinfer.layers.attention.triton_paged import GpuAttentionMetadata, decode_num_splits
+from pdinfer.worker.cache_engine import CacheEngine
+from pdinfer.worker.gpu_input import GpuStep
+from pdinfer.worker.step_input import StepInput
+
+logger = logging.getLogger("pdinfer")
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
+
+
+class CudaGraphRunner:
+    def __init__(self, model: torch.nn.Module, cache: CacheEngine, max_batch: int, max_blocks: int,
+                 num_sms: int):
+        self.model = model
+        self.cache = cache
+        self.num_sms = num_sms
+        self.num_kv_heads = cache.kv.shape[4]
+        self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {min(max_batch, BUCKETS[-1])})
+        self.max_batch = self.buckets[-1]
+        n, dev = self.max_batch, cache.kv.device
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.context_lens = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int64, device=dev)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def num_splits(self, bucket: int) -> int:
+        return decode_num_splits(bucket, self.num_kv_heads, None, self.num_sms)
+
+    def bucket_for(self, inp: StepInput) -> int | None:
+        """The graph batch for this step, or None when it must run eagerly."""
+        b = inp.num_tokens
+        if b == 0 or b > self.max_batch or len(inp.query_lens) != b:
+            return None  # a prefill (some sequence has several tokens) or too large a batch
+        if max(len(t) for t in inp.block_tables) > self.block_tables.shape[1]:
+            return None
+        return next(x for x in self.buckets if x >= b)
+
+    def _meta(self, b: int) -> GpuAttentionMetadata:
+        return GpuAttentionMetadata(True, self.slots[:b], self.block_tables[:b], self.context_lens[:b],
+                                    num_splits=self.num_splits(b), num_tokens=b)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self.cache.kv, self._meta(b))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):  # largest first: smaller ones reuse its pool memory
+                self._forward(b)  # warm-up: compiles the kernels of this bucket
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._forward(b)
+                self._graphs[b] = (graph, logits)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        logger.info("captured %d CUDA graphs (batch %d..%d) in %.1f s", len(self._graphs),
+                    self.buckets[0], self.buckets[-1], time.perf_counter() - start)
+
+    def run(self, step: GpuStep, fill_pending) -> torch.Tensor:
+        """Copy the step into the static buffers, fill pending tokens, replay; logits [B, V]."""
+        b = step.padded
+        graph, logits = self._graphs[b]
+        self.input_ids[:b].copy_(step.input_ids)
+        self.positions[:b].copy_(step.positions)
+        self.slots[:b].copy_(step.meta.slot_mapping)
+        self.context_lens[:b].copy_(step.meta.context_lens)
+        bt = step.meta.block_tables
+        self.block_tables[:b, : bt.shape[1]].copy_(bt)
+        fill_pending(self.input_ids[:b], step)
+        graph.replay()
+        return logits[: step.batch]

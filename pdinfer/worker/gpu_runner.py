@@ -1,0 +1,225 @@
+"""The CUDA side of ``ModelRunner``: Triton kernels, CUDA graphs, and asynchronous results.
+
+``execute`` launches a step and returns at once with a ``PendingStepResult``: the sampled
+tokens are copied into pinned host memory (``non_blocking``) and an event is recorded after the
+copy. The host waits on that event only when it processes the step's outputs, so with
+zero-overhead scheduling the worker thread is already launching step N+1 while the device
+runs step N. Nothing in a step calls ``.item()`` / ``.tolist()`` on a device tensor.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdinfer.layers.attention.triton_paged import use_triton_attention
+from pdinfer.worker.cache_engine import CacheEngine, block_bytes
+from pdinfer.worker.gpu_input import GpuInputBuilder, GpuStep
+from pdinfer.worker.sampler import SamplerOutput
+from pdinfer.worker.step_input import StepInput, StepResult
+
+if TYPE_CHECKING:
+    from pdinfer.worker.cuda_graph import CudaGraphRunner
+    from pdinfer.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pdinfer")
+
+_RESULT_FIELDS = ("token_ids", "logprobs", "top_ids", "top_logprobs")
+
+
+class PendingStepResult:
+    """A launched step's outputs on their way to pinned host memory."""
+
+    def __init__(self, step_id: int, out: SamplerOutput | None):
+        self.step_id = step_id
+        self.host: dict[str, torch.Tensor] = {}
+        self.event = None
+        if out is None:
+            return
+        pin = out.token_ids.is_cuda
+        for name in _RESULT_FIELDS:
+            value = getattr(out, name)
+            if value is not None:
+                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
+                host.copy_(value, non_blocking=pin)
+                self.host[name] = host
+        if pin:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> StepResult:
+        if self.event is not None:
+            self.event.synchronize()  # releases the GIL while the device finishes
+        lists = {name: t.tolist() for name, t in self.host.items()}
+        return StepResult(step_id=self.step_id, token_ids=lists.get("token_ids", []),
+                          logprobs=lists.get("logprobs"), top_ids=lists.get("top_ids"),
+                          top_logprobs=lists.get("top_logprobs"))
+
+
+class DeviceStepFuture:
+    """A step future whose ``result()`` also waits for the device (the sampling sync)."""
+
+    def __init__(self, inner: Future):
+        self._inner = inner
+
+    def result(self, timeout: float | None = None) -> StepResult:
+        value = self._inner.result(timeout)
+        return value.wait() if isinstance(value, PendingStepResult) else value
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def exception(self, timeout: float | None = None):
+        return self._inner.exception(timeout)
+
+
+class GpuStepRunner:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.model = runner.model
+        self.spec = runner.spec
+        self.device = runner.device
+        use_triton_attention(self.model)
+        props = torch.cuda.get_device_properties(self.device) if self.device.type == "cuda" else None
+        self.num_sms = props.multi_processor_count if props is not None else 132
+        self.builder: GpuInputBuilder | None = None
+        self.graphs: CudaGraphRunner | None = None
+        self._recent: OrderedDict[int, torch.Tensor] = OrderedDict()
+        # Benchmarks set this to time each step's device span (idle gaps between steps).
+        self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+
+    def init_cache(self, cache: CacheEngine) -> None:
+        self.builder = GpuInputBuilder(cache.block_size, self.spec.vocab_size,
+                                       self.spec.num_kv_heads, self.device, self.num_sms)
+
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        from pdinfer.worker.cuda_graph import CudaGraphRunner
+
+        cache = self.runner.cache
+        max_blocks = -(-max_model_len // cache.block_size)
+        self.graphs = CudaGraphRunner(self.model, cache, max_batch, max_blocks, self.num_sms)
+        self.graphs.capture()
+
+    # --- one step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, inp: StepInput) -> PendingStepResult:
+        cache = self.runner.cache
+        bucket = self.graphs.bucket_for(inp) if self.graphs is not None else None
+        splits = self.graphs.num_splits(bucket) if bucket is not None else None
+        step = self.builder.build(inp, pad_to=bucket, num_splits=splits)
+        start = self._mark()
+        if step.clone_src is not None:
+            cache.kv.index_copy_(0, step.clone_dst, cache.kv.index_select(0, step.clone_src))
+        if inp.num_tokens == 0:
+            return PendingStepResult(inp.step_id, None)
+        if bucket is not None:
+            logits = self.graphs.run(step, self._fill_pending)
+        else:
+            self._fill_pending(step.input_ids, step)
+            hidden = self.model(step.input_ids, step.positions, cache.kv, step.meta)
+            logits = self.model.compute_logits(self._sampled_rows(hidden, step))
+        if bucket is not None and step.sample_rows is not None:
+            logits = logits.index_select(0, step.sample_rows)
+        self._fill_pending_penalty(step)
+        out = self.runner.sampler(logits, step.sampling)
+        self._recent[inp.step_id] = out.token_ids
+        while len(self._recent) > 4:
+            self._recent.popitem(last=False)
+        result = PendingStepResult(inp.step_id, out)
+        if start is not None:
+            self.step_events.append((start, self._mark()))
+        return result
+
+    def _mark(self):
+        if self.step_events is None:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def _sampled_rows(hidden: torch.Tensor, step: GpuStep) -> torch.Tensor:
+        if step.sample_rows is None:
+            return hidden[: step.num_samples]
+        return hidden.index_select(0, step.sample_rows)
+
+    def _recent_tokens(self, step_id: int) -> torch.Tensor:
+        tokens = self._recent.get(step_id)
+        if tokens is None:
+            raise RuntimeError(f"a pending token refers to step {step_id}, which this runner did not run recently")
+        return tokens
+
+    def _fill_pending(self, input_ids: torch.Tensor, step: GpuStep) -> None:
+        for step_id, rows, indices in step.pending:
+            input_ids.index_copy_(0, rows, self._recent_tokens(step_id).index_select(0, indices))
+
+    def _fill_pending_penalty(self, step: GpuStep) -> None:
+        tokens = step.sampling.output_tokens
+        for step_id, row, col, index in step.pending_penalty:
+            tokens[row, col] = self._recent_tokens(step_id)[index]
+
+    # --- KV capacity -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def profile_num_blocks(self, block_size: int, num_tokens: int, num_rows: int, decode: bool,
+                           gpu_memory_utilization: float) -> int:
+        """KV blocks that fit in ``gpu_memory_utilization`` of the device next to the real peak
+        of this role's largest step, measured by running it (``max_memory_allocated``)."""
+        spec = self.spec
+        seqs = num_tokens if decode else 1
+        blocks_per_seq = 1 if decode else -(-num_tokens // block_size)
+        scratch = CacheEngine(spec, seqs * blocks_per_seq, block_size, self.runner.dtype, self.device)
+        inp = _profile_input(seqs, num_tokens, num_rows, blocks_per_seq, decode)
+        builder = GpuInputBuilder(block_size, spec.vocab_size, spec.num_kv_heads, self.device, self.num_sms)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.inference_mode():
+            step = builder.build(inp)
+            hidden = self.model(step.input_ids, step.positions, scratch.kv, step.meta)
+            logits = self.model.compute_logits(self._sampled_rows(hidden, step))
+            del hidden
+            self.runner.sampler(logits, step.sampling)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del scratch, step, logits
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        # CUDA graphs keep one pool for the largest decode batch: logits plus a margin.
+        graph_reserve = 256 * 2**20 + num_rows * spec.vocab_size * 4
+        budget = free - (1.0 - gpu_memory_utilization) * total - peak - graph_reserve
+        per_block = block_bytes(spec, block_size, self.runner.dtype)
+        num_blocks = int(budget // per_block)
+        logger.info("profile (%s, %d tokens): activation peak %.0f MiB, free %.1f GiB -> %d KV blocks",
+                    "decode" if decode else "prefill", num_tokens, peak / 2**20, free / 2**30, num_blocks)
+        if num_blocks < 1:
+            raise ValueError(
+                f"no room for the KV cache: {free / 2**30:.1f} GiB free, the role's peak step needs "
+                f"{peak / 2**30:.1f} GiB, and {1 - gpu_memory_utilization:.0%} of the device is "
+                "kept free; raise gpu_memory_utilization"
+            )
+        return num_blocks
+
+
+def _profile_input(seqs: int, num_tokens: int, num_rows: int, blocks_per_seq: int, decode: bool) -> StepInput:
+    """A synthetic step of the role's largest shape; samples take the top-p path (its sort is
+    the sampler's largest buffer)."""
+    from pdinfer.worker.step_input import SampleSpec
+
+    if decode:
+        qlens, ctx = [1] * seqs, [1] * seqs
+        positions = [0] * seqs
+    else:
+        qlens, ctx = [num_tokens], [num_tokens]
+        positions = list(range(num_tokens))
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(seqs)]
+    rows = list(range(num_rows)) if decode else [num_tokens - 1] * num_rows
+    samples = [SampleSpec(row=r, temperature=1.0, top_k=0, top_p=0.9, min_p=0.0, seed=i, position=0)
+               for i, r in enumerate(rows)]
+    return StepInput(step_id=-1, is_prompt=not decode, input_ids=[0] * num_tokens, positions=positions,
+                     query_lens=qlens, context_lens=ctx, block_tables=tables, samples=samples)
