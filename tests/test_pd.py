@@ -1,0 +1,240 @@
+"""P/D hand-off in one process (the TCP connector over loopback, and the in-process one):
+outputs equal a NORMAL engine's, blocks come back on both sides after every kind of fault."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from conftest import make_llm
+
+from pdinfer import EngineArgs, SamplingParams
+from pdinfer.engine.completion_engine import CompletionEngine, NoRoomError
+from pdinfer.engine.pd_pair import PDPair
+from pdinfer.engine.prefill_engine import PrefillEngine
+from pdinfer.kv_transfer.connector import HandshakeError
+from pdinfer.kv_transfer.protocol import KVPush, checksum
+from pdinfer.kv_transfer.tcp import TcpConnector
+
+MEM = 640 << 20
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def pe_engine(**kv):
+    return PrefillEngine(EngineArgs(engine_type="prompt", kv_cache_memory=MEM, kv_transfer=kv))
+
+
+def ce_engine(num_kv_blocks=None, **kv):
+    return CompletionEngine(EngineArgs(engine_type="completion", kv_cache_memory=MEM,
+                                       num_kv_blocks=num_kv_blocks, kv_transfer=kv))
+
+
+def all_free(*engines):
+    for e in engines:
+        assert e.get_num_free_blocks() == e.num_blocks, f"{e.name} leaked KV blocks"
+
+
+def run(pair, deadline_s=120):
+    end = time.monotonic() + deadline_s
+    outs = {}
+    while pair.has_unfinished_requests():
+        assert time.monotonic() < end, "P/D pair did not finish"
+        for out in pair.step():
+            outs[out.request_id] = out
+    return outs
+
+
+@pytest.fixture(scope="module")
+def tcp_pair():
+    pe, ce = pe_engine(connector="tcp"), ce_engine(connector="tcp")
+    yield PDPair(pe, ce)
+    pe.shutdown()
+    ce.shutdown()
+
+
+@pytest.fixture(scope="module")
+def normal():
+    return make_llm(kv_cache_memory=MEM)
+
+
+def _prompts(prompt_ids):
+    # 16 prompts of mixed lengths
+    return [{"prompt_token_ids": ids[: 8 + 7 * i]} for i, ids in enumerate(prompt_ids * 2)][:16]
+
+
+@pytest.mark.parametrize("params", [
+    GREEDY,
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=24, ignore_eos=True),
+    SamplingParams(n=2, temperature=1.0, seed=99, max_tokens=12, ignore_eos=True),
+], ids=["greedy", "seeded", "n2"])
+def test_pd_output_equals_normal(tcp_pair, normal, prompt_ids, params):
+    prompts = _prompts(prompt_ids)
+    expected = normal.generate(prompts, params, use_tqdm=False)
+    got = tcp_pair.generate(prompts, params)
+    for e, g in zip(expected, got):
+        assert g.error is None
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs]
+        assert [c.text for c in g.outputs] == [c.text for c in e.outputs]
+    assert tcp_pair.pe.handoff_stats["count"] >= len(prompts)
+    all_free(tcp_pair.pe, tcp_pair.ce)
+
+
+def test_local_connector_pair(normal, prompt_ids):
+    name = uuid.uuid4().hex
+    pe, ce = pe_engine(connector="local"), ce_engine(connector="local", name=name)
+    prompts = _prompts(prompt_ids)[:4]
+    got = PDPair(pe, ce).generate(prompts, GREEDY)
+    expected = normal.generate(prompts, GREEDY, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in expected]
+    all_free(pe, ce)
+
+
+def test_first_token_comes_from_the_pe_and_ce_never_prefills(tcp_pair, prompt_ids):
+    ce = tcp_pair.ce
+    prefill_steps = []
+    original = ce.post_schedule
+    ce.post_schedule = lambda plan: (prefill_steps.append(plan.prompt_run), original(plan))
+    try:
+        reservation = ce.reserve("solo", {"prompt_token_ids": prompt_ids[2]}, GREEDY)
+        pe_seq = tcp_pair.pe.add_request("solo", {"prompt_token_ids": prompt_ids[2]}, GREEDY,
+                                         reservation=reservation)
+        out = run(tcp_pair)["solo"]
+    finally:
+        ce.post_schedule = original
+    assert not any(prefill_steps)
+    assert out.outputs[0].token_ids[0] == pe_seq.first_tokens[0]
+    all_free(tcp_pair.pe, ce)
+
+
+def test_ce_without_room_refuses_and_the_request_is_not_lost(prompt_ids):
+    pe = pe_engine()
+    small, big = ce_engine(num_kv_blocks=4), ce_engine()
+    prompt = {"prompt_token_ids": prompt_ids[6]}  # ~60 tokens + margin > 4 blocks of 16
+    with pytest.raises(NoRoomError):
+        small.reserve("r", prompt, GREEDY)
+    assert "r" not in small.requests
+    all_free(small)
+    reservation = big.reserve("r", prompt, GREEDY)  # the caller picks another CE
+    pe.add_request("r", prompt, GREEDY, reservation=reservation)
+    out = run(PDPair(pe, big))["r"]
+    assert out.error is None and len(out.outputs[0].token_ids) == 24
+    all_free(pe, small, big)
+    for e in (pe, small, big):
+        e.shutdown()
+
+
+def test_handshake_mismatch_is_refused_at_connect():
+    ce = ce_engine()
+    pe = PrefillEngine(EngineArgs(engine_type="prompt", kv_cache_memory=MEM, block_size=32))
+    reservation = ce.reserve("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
+    with pytest.raises(HandshakeError, match="block_size"):
+        pe.add_request("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY, reservation=reservation)
+    assert "r" not in pe.requests
+    ce.abort_request("r")
+    all_free(pe, ce)
+    pe.shutdown()
+    ce.shutdown()
+
+
+def test_wrong_secret_is_refused_at_connect():
+    ce = ce_engine(secret="s3cret")
+    pe = pe_engine(secret="guess")
+    reservation = ce.reserve("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
+    with pytest.raises(HandshakeError, match="authentication"):
+        pe.add_request("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY, reservation=reservation)
+    ce.abort_request("r")
+    all_free(pe, ce)
+    pe.shutdown()
+    ce.shutdown()
+
+
+def _raw_push(ce, reservation, corrupt: str):
+    """Push K/V for a reservation from a hand-built sender, corrupted on purpose."""
+    sender = TcpConnector(secret=None)
+    sender.register(ce.connector.layout)
+    sender.connect(reservation.address)
+    nbytes = ce.model_runner.cache.bytes_per_block * ce.block_manager.blocks_for(reservation.num_prompt_tokens)
+    payload = bytearray(b"\x01" * nbytes)
+    crc = checksum(payload)
+    if corrupt == "flip":
+        payload[nbytes // 2] ^= 0xFF  # the checksum no longer matches
+    elif corrupt == "truncate":
+        payload = payload[: nbytes // 2]
+    push = KVPush(transfer_id=reservation.transfer_id, request_id=reservation.request_id,
+                  instance_id=reservation.instance_id, num_tokens=reservation.num_prompt_tokens,
+                  first_token=5, first_tokens=[5], seed=1,
+                  block_ids=reservation.block_ids[: ce.block_manager.blocks_for(reservation.num_prompt_tokens)],
+                  nbytes=nbytes, checksum=crc)
+    sender.send(reservation.address, push, bytes(payload))
+    return sender
+
+
+@pytest.mark.parametrize("corrupt", ["flip", "truncate"])
+def test_corrupted_payload_is_refused_never_decoded(corrupt):
+    ce = ce_engine()
+    reservation = ce.reserve("r", {"prompt_token_ids": list(range(1, 40))}, GREEDY)
+    sender = _raw_push(ce, reservation, corrupt)
+    end, outs = time.monotonic() + 20, {}
+    while ce.has_unfinished_requests() and time.monotonic() < end:
+        for out in ce.step():
+            outs[out.request_id] = out
+    assert outs["r"].finished and "refused" in outs["r"].error
+    assert outs["r"].outputs[0].token_ids == []  # nothing was decoded
+    deadline = time.monotonic() + 10
+    acks = []
+    while not acks and time.monotonic() < deadline:
+        acks = sender.events()
+        time.sleep(0.05)
+    assert acks and not acks[0].ok and ("checksum" in acks[0].error or "payload" in acks[0].error)
+    all_free(ce)
+    sender.close()
+    ce.shutdown()
+
+
+def test_aborts_before_during_and_after_the_transfer_free_both_sides(prompt_ids):
+    pe, ce = pe_engine(), ce_engine()
+    pair = PDPair(pe, ce)
+    prompt = {"prompt_token_ids": prompt_ids[3]}
+    # before: reserved on the CE, waiting on the PE
+    pair.add_request("before", prompt, GREEDY)
+    pair.abort_request("before")
+    # during: prefilled and pushed, not yet accepted by the CE
+    pair.add_request("during", prompt, GREEDY)
+    pe.step()
+    assert "during" in {s.request_id for s in pe.handoffs.values()}
+    pair.abort_request("during")
+    # after: the CE is decoding it
+    pair.add_request("after", prompt, GREEDY)
+    for _ in range(4):
+        pair.step()
+    assert any(s.request_id == "after" for s in ce.scheduler.running)
+    pair.abort_request("after")
+    outs = run(pair)
+    assert all(outs[r].finished for r in ("after",))
+    all_free(pe, ce)
+    pe.shutdown()
+    ce.shutdown()
+
+
+def test_dead_ce_makes_the_pe_free_its_blocks_within_the_lease(prompt_ids):
+    pe = pe_engine(lease_s=1.5)
+    ce = ce_engine(reservation_timeout_s=1.5)
+    reservation = ce.reserve("r", {"prompt_token_ids": prompt_ids[3]}, GREEDY)
+    pe.add_request("r", {"prompt_token_ids": prompt_ids[3]}, GREEDY, reservation=reservation)
+    ce.connector.close()  # the CE stops answering before the K/V arrives
+    start, outs = time.monotonic(), {}
+    while pe.has_unfinished_requests():
+        assert time.monotonic() - start < 15
+        for out in pe.step():
+            outs[out.request_id] = out
+        time.sleep(0.01)
+    assert "lease expired" in outs["r"].error
+    all_free(pe)
+    while ce.has_unfinished_requests():  # the CE drops the reservation it never got K/V for
+        assert time.monotonic() - start < 15
+        ce.step()
+        time.sleep(0.01)
+    all_free(ce)
+    pe.shutdown()
+    ce.shutdown()
