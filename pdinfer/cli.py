@@ -187,7 +187,8 @@ def _stream_to_stdout(engine, request_id: str) -> int:
 # --- serve -------------------------------------------------------------------------------------------
 def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="one engine behind an OpenAI-compatible HTTP API")
-    p.add_argument("--role", default="normal", choices=["normal", "prompt", "completion"],
+    p.add_argument("--role", default="normal", type=str.lower,
+                   choices=["normal", "prompt", "completion"],
                    help="prompt/completion engines take part in P/D serving behind the router")
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=8000)
@@ -244,7 +245,9 @@ SUBCOMMANDS = (add_generate_parser, add_serve_parser)  # router, launch, bench: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdinfer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="pdinfer", description="pdinfer: one LLM engine class for NORMAL, PROMPT (prefill) "
+                                    "and COMPLETION (decode) roles.")
     parser.add_argument("--log-level", default=None,
                         help="DEBUG, INFO, WARNING, ERROR (default: $PDINFER_LOG_LEVEL or INFO)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -31,18 +31,32 @@ def _check(proc: subprocess.Popen, expected: str) -> None:
     assert stdout == expected + "\n"
 
 
-def test_generate_prints_llm_greedy_text():
-    proc = _start(PROMPT, *FLAGS)  # loads the model while this process does
-    expected = make_llm().generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].text
-    _check(proc, expected)
+@pytest.fixture(scope="module")
+def runs():
+    """Both generate processes start first, so they load the model while this process does."""
+    procs = {"plain": _start(PROMPT, *FLAGS), "chat": _start(PROMPT, "--chat", *FLAGS)}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
-def test_generate_chat_applies_the_chat_template():
-    proc = _start(PROMPT, "--chat", *FLAGS)
-    llm = make_llm()
+@pytest.fixture(scope="module")
+def llm(runs):
+    return make_llm()
+
+
+def test_generate_prints_llm_greedy_text(runs, llm):
+    expected = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].text
+    _check(runs["plain"], expected)
+
+
+def test_generate_chat_applies_the_chat_template(runs, llm):
     expected = llm.chat([{"role": "user", "content": PROMPT}], GREEDY, use_tqdm=False)
-    assert expected[0].outputs[0].text != llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].text
-    _check(proc, expected[0].outputs[0].text)
+    text = expected[0].outputs[0].text
+    assert text != llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].text
+    _check(runs["chat"], text)
 
 
 @pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--max-tokens", "0"),
