@@ -56,6 +56,7 @@ _ENGINE_FIELDS = (
     "kv_cache_memory", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "chunked_prefill", "enable_prefix_caching",
     "stop_preempted_request", "data_parallel_size", "seed", "num_threads", "enforce_eager",
+    "kv_store", "kv_store_bytes", "kv_store_memory_bytes", "kv_store_save_interval_tokens",
 )
 
 
@@ -90,6 +91,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, include_seed: bool = Tru
     g.add_argument("--num-threads", type=positive_int, default=None,
                    help="torch threads on CPU (default: all cores)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--kv-store", default=None,
+                   help="KV cache store: a directory (may be shared across hosts) or 'memory'; "
+                        "engines save finished full blocks there and load stored prefixes")
+    g.add_argument("--kv-store-bytes", type=parse_size, default=None,
+                   help="bound of the KV store, e.g. 64GiB (default: 16GiB, or 1GiB in memory)")
+    g.add_argument("--kv-store-memory-bytes", type=parse_size, default=0,
+                   help="an in-memory tier of this size in front of a directory KV store")
+    g.add_argument("--kv-store-save-interval-tokens", type=positive_int, default=0,
+                   help="also save running sequences' full blocks every N tokens (default: off)")
     if include_seed:
         g.add_argument("--seed", type=int, default=0, help="engine seed (dummy weights)")
 
@@ -206,27 +216,67 @@ def add_serve_parser(subparsers) -> None:
              "more often (higher time per output token); higher N does the opposite. Sets "
              "PDINFER_PREFILL_ATTEMPT_INTERVAL (default: that variable, else 70)")
     add_engine_args(p)
+    add_kv_transfer_args(p)
     p.set_defaults(func=run_serve)
+
+
+def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("P/D hand-off (prompt and completion roles)")
+    g.add_argument("--kv-connector", default="tcp", choices=["tcp"],
+                   help="how K/V moves from a prefill to a completion engine (ZeroMQ over TCP)")
+    g.add_argument("--kv-host", default="127.0.0.1",
+                   help="completion engine: the address PEs push K/V to (bind address)")
+    g.add_argument("--kv-port", type=int, default=0, help="completion engine: K/V port (0: any free)")
+    g.add_argument("--kv-secret", default=None,
+                   help="shared secret: K/V pushes not signed with it are refused (set on PE and CE)")
+    g.add_argument("--kv-lease-s", type=float, default=None,
+                   help="prefill engine: free a handed-over request's blocks if the CE has not "
+                        "confirmed within this many seconds (default 30)")
+    g.add_argument("--kv-reservation-timeout-s", type=float, default=None,
+                   help="completion engine: drop a reservation whose K/V never came (default 60)")
+
+
+def kv_transfer_from(args: argparse.Namespace) -> dict:
+    values = {"connector": args.kv_connector, "host": args.kv_host, "port": args.kv_port,
+              "secret": args.kv_secret, "lease_s": args.kv_lease_s,
+              "reservation_timeout_s": args.kv_reservation_timeout_s}
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def build_engine(args: argparse.Namespace):
+    """The engine class of the role: a PE or CE takes part in the P/D hand-off."""
+    from pdinfer.engine.llm_engine import LLMEngine
+
+    engine_args = engine_args_from(args, role=args.role)
+    if engine_args.role is EngineType.PROMPT:
+        from pdinfer.engine.prefill_engine import PrefillEngine
+
+        engine_args.kv_transfer = kv_transfer_from(args)
+        return PrefillEngine(engine_args)
+    if engine_args.role is EngineType.COMPLETION:
+        from pdinfer.engine.completion_engine import CompletionEngine
+
+        engine_args.kv_transfer = kv_transfer_from(args)
+        return CompletionEngine(engine_args)
+    return LLMEngine(engine_args)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pdinfer import env
-    from pdinfer.engine.llm_engine import LLMEngine
     from pdinfer.serving import AsyncEngine, build_app
 
     if args.prefill_attempt_interval is not None:
         # The scheduler config reads the env snapshot when the engine is built: set it first.
         os.environ["PDINFER_PREFILL_ATTEMPT_INTERVAL"] = str(args.prefill_attempt_interval)
         env.rearm("PDINFER_PREFILL_ATTEMPT_INTERVAL")
-    engine = LLMEngine(engine_args_from(args, role=args.role))
+    engine = build_engine(args)
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
     name = args.served_model_name or served_model_name(args.model)
     app = build_app(async_engine, name, api_key=args.api_key)
-    if engine.engine_type is not EngineType.NORMAL:
-        logger.warning("%s engine: /v1 generation answers 501 until it is paired by the router",
-                       engine.engine_type.name)
+    if engine.engine_type is EngineType.COMPLETION:
+        logger.info("completion engine: K/V hand-offs arrive at %s", engine.kv_address)
     async_engine.start()
     level = logger.getEffectiveLevel()
     config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5,

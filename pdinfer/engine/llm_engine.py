@@ -27,6 +27,7 @@ from pdinfer.engine.output_processor import OutputProcessor
 from pdinfer.engine.request import RequestState
 from pdinfer.engine.step_builder import StepBuilder
 from pdinfer.engine_type import EngineType
+from pdinfer.kv_store.agent import KVStoreAgent
 from pdinfer.models.loader import load_tokenizer, resolve_model
 from pdinfer.models.spec import ModelSpec
 from pdinfer.outputs import RequestOutput
@@ -71,12 +72,14 @@ class LLMEngine:
                                           self.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, dp_group)
         self.executor = StepExecutor(self.model_runner, overlap=self.zero_overhead)
+        self.kv_store = KVStoreAgent.create(self)  # None unless EngineArgs.kv_store is set
         self.step_builder = StepBuilder()
         self.output_processor = OutputProcessor(self)
         self.requests: dict[str, RequestState] = {}
         self.copy_state: dict[int, tuple[int, torch.Tensor]] | None = {}
         self.copy_state_event: Future | None = None
         self._inflight: InFlight | None = None
+        self.last_step_ran = False  # whether the last step launched device work
         self._ready_outputs: list[RequestOutput] = []
         self._step_log = env.get("PDINFER_STEP_LOG")
         logger.info("%s engine ready: %s, %d KV blocks of %d tokens, zero-overhead scheduling %s",
@@ -130,10 +133,12 @@ class LLMEngine:
         self.copy_state_event = self.executor.submit_call(copy)
 
     def do_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
-        pass
+        if self.kv_store is not None:  # COMPLETION/NORMAL: full blocks go to the KV store
+            self.kv_store.save(scheduled, finished)
 
     def pe_prepare_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
-        pass
+        if self.kv_store is not None:  # NORMAL finalizes after prefill steps too
+            self.kv_store.save([], finished)
 
     def pe_do_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
         pass
@@ -239,6 +244,8 @@ class LLMEngine:
 
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.kv_store is not None:
+            self.kv_store.load_waiting()  # stored prefixes become prefix-cache hits
         plan = self.scheduler.schedule()
         self.post_schedule(plan)
         if not plan.prompt_run:
@@ -250,6 +257,7 @@ class LLMEngine:
             raise RuntimeError("a PROMPT engine scheduled a decode step")
         self._log_step(plan)
         inflight = self._launch(plan)
+        self.last_step_ran = inflight is not None
         self.pre_sampler_sync(plan)
         outputs, self._ready_outputs = self._ready_outputs, []
         outputs += self.output_processor.scheduler_outputs(plan)
@@ -309,6 +317,8 @@ class LLMEngine:
         if self._inflight is not None:
             self._inflight.future.result()
             self._inflight = None
+        if self.kv_store is not None:
+            self.kv_store.close()  # writes the saves still queued
         self.executor.shutdown()
 
 

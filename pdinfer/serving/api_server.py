@@ -356,4 +356,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str,
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.render_metrics, methods=["GET"])
     app.add_api_route("/debug/kv", server.debug_kv, methods=["GET"])
+    if async_engine.role is not EngineType.NORMAL:
+        from pdinfer.serving.pd_server import add_pd_routes
+
+        add_pd_routes(app, async_engine, dependencies=auth)
     return app

@@ -25,6 +25,17 @@ from pdinfer.sampling_params import SamplingParams
 logger = logging.getLogger("pdinfer")
 
 _ADDED = object()  # the loop thread's acknowledgement that add_request succeeded
+_IDLE_POLL_S = 0.002
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    from pdinfer.engine.completion_engine import NoRoomError
+    from pdinfer.kv_transfer.connector import HandshakeError
+
+    return (NoRoomError, HandshakeError)
+
+
+_REFUSALS = _refusals()
 
 
 class EngineDeadError(RuntimeError):
@@ -70,11 +81,12 @@ class RequestStream:
     collection) aborts the request, so its KV blocks are freed.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue):
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue, accepted=None):
         self.engine = engine
         self.request_id = request_id
         self._queue = queue
         self.finished = False
+        self.accepted = accepted  # what the engine answered on add (a CE: its Reservation)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -171,7 +183,8 @@ class AsyncEngine:
             self.engine.shutdown()
 
     # --- requests --------------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt, params: SamplingParams,
+                          **extra) -> RequestStream:
         """Add a request and return its output stream once the engine accepted it.
 
         A ``ValueError`` from ``LLMEngine.add_request`` is raised here, as is
@@ -190,7 +203,7 @@ class AsyncEngine:
             if request_id in self._waiters:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._waiters[request_id] = waiter
-            self._commands.append(("add", request_id, prompt, params))
+            self._commands.append(("add", request_id, prompt, params, extra))
             self._num_unapplied_adds += 1
             self._cond.notify()
         try:
@@ -200,7 +213,7 @@ class AsyncEngine:
             raise
         if isinstance(ack, BaseException):
             raise ack
-        return RequestStream(self, request_id, waiter.queue)
+        return RequestStream(self, request_id, waiter.queue, accepted=ack[1])
 
     async def generate(self, request_id: str, prompt,
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -231,6 +244,8 @@ class AsyncEngine:
                     self._num_steps += 1
                     self._stats = self._take_stats()
                     self._dispatch(outputs)
+                    if not outputs and not self.engine.last_step_ran:
+                        self._nap()  # waiting on a peer (K/V, an ack): poll, don't spin
         except BaseException as exc:  # the engine is in an unknown state: fail loudly, stay down
             logger.exception("the engine loop died")
             with self._cond:
@@ -238,6 +253,11 @@ class AsyncEngine:
             self._fail_all(EngineDeadError(f"the engine loop died: {exc!r}"))
             return
         self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _nap(self) -> None:
+        with self._cond:
+            if not (self._commands or self._stopping):
+                self._cond.wait(_IDLE_POLL_S)
 
     def _wait_for_work(self) -> list[tuple[Any, ...]] | None:
         with self._cond:
@@ -255,19 +275,27 @@ class AsyncEngine:
             if command[0] == "abort":
                 self.engine.abort_request(command[1])
                 continue
-            _, request_id, prompt, params = command
+            _, request_id, prompt, params, extra = command
             num_adds += 1
             try:
-                self.engine.add_request(request_id, prompt, params)
+                accepted = self._add(request_id, prompt, params, extra)
             except (ValueError, TypeError) as exc:  # bad input: that request fails, not the loop
                 self._send(request_id, ValueError(str(exc)), last=True)
+            except _REFUSALS as exc:  # no room (CE), handshake refused (PE): the caller decides
+                self._send(request_id, exc, last=True)
             else:
-                self._send(request_id, _ADDED, last=False)
+                self._send(request_id, (_ADDED, accepted), last=False)
         if num_adds:
             # Snapshot before the unapplied count drops, so num_waiting() never dips below truth.
             self._stats = self._take_stats()
             with self._cond:
                 self._num_unapplied_adds -= num_adds
+
+    def _add(self, request_id: str, prompt, params: SamplingParams, extra: dict):
+        """NORMAL and PROMPT engines add the request; a CE reserves blocks for it first."""
+        if self.engine.engine_type is EngineType.COMPLETION and hasattr(self.engine, "reserve"):
+            return self.engine.reserve(request_id, prompt, params, **extra)
+        return self.engine.add_request(request_id, prompt, params, **extra)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -1,0 +1,141 @@
+"""P/D across real processes: a PE and a CE, each a ``pdinfer serve`` process, K/V over TCP.
+
+The test plays the router's part with plain HTTP: reserve on the CE (the first event of its
+decode stream), prefill on the PE with that reservation, read the CE's stream to the end.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import make_llm
+from servers import Server
+
+from pdinfer import SamplingParams
+from pdinfer.serving.pd_protocol import sampling_to_dict
+
+ENGINE = ["--kv-cache-memory", "512MiB", "--max-model-len", "1024"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    ce = Server(["serve", "--role", "completion", *ENGINE, "--kv-reservation-timeout-s", "20"],
+                tmp / "ce.log", env={"PDINFER_STEP_LOG": str(tmp / "ce.steps")})
+    pe = Server(["serve", "--role", "prompt", *ENGINE, "--kv-lease-s", "3"], tmp / "pe.log")
+    ce.start(wait=False)
+    pe.start(wait=False)
+    try:
+        ce.wait_healthy()
+        pe.wait_healthy()
+        yield {"pe": pe, "ce": ce, "steps": tmp / "ce.steps", "tmp": tmp}
+    finally:
+        pe.stop()
+        ce.stop()
+
+
+def pd_generate(pe_url: str, ce_url: str, request_id: str, ids: list[int], params: SamplingParams,
+                on_reserved=None) -> dict:
+    body = {"request_id": request_id, "prompt_token_ids": ids, "sampling": sampling_to_dict(params)}
+    tokens: list[int] = []
+    result: dict = {}
+    with httpx.stream("POST", f"{ce_url}/pd/decode", json=body, timeout=120) as stream:
+        assert stream.status_code == 200, stream.read()
+        lines = stream.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                reservation = json.loads(line[6:])["reservation"]
+                break
+        if on_reserved is not None:
+            on_reserved()
+        prefill = httpx.post(f"{pe_url}/pd/prefill", json={**body, "reservation": reservation}, timeout=120)
+        result["prefill_status"] = prefill.status_code
+        result["prefill"] = prefill.json()
+        if prefill.status_code != 200:
+            return result
+        for line in lines:
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            for delta in event["outputs"]:
+                tokens += delta["token_ids"]
+            if event["finished"]:
+                result["error"] = event["error"]
+                break
+    result["tokens"] = tokens
+    return result
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_16_prompts_through_pe_and_ce_equal_normal(cluster, prompt_ids, params):
+    prompts = [ids[: 10 + 9 * i] for i, ids in enumerate(prompt_ids * 2)][:16]
+    expected = [o.outputs[0].token_ids
+                for o in make_llm(kv_cache_memory=512 << 20).generate(
+                    [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    results = [None] * len(prompts)
+
+    def one(i):
+        results[i] = pd_generate(cluster["pe"].url, cluster["ce"].url, f"r{params.seed}-{i}",
+                                 prompts[i], params)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    for result, want in zip(results, expected):
+        assert result["prefill_status"] == 200, result
+        assert result["tokens"] == want
+        assert result["prefill"]["first_tokens"] == want[:1]  # the first token is the PE's
+    steps = cluster["steps"].read_text().split()
+    assert "decode" in steps and "prefill" not in steps  # the CE never ran a prefill step
+    assert cluster["pe"].wait_blocks_back()["free_blocks"] == cluster["pe"].kv()["total_blocks"]
+    kv = cluster["ce"].wait_blocks_back()
+    assert kv["free_blocks"] == kv["total_blocks"]
+
+
+def test_client_abort_during_decode_frees_the_ce(cluster, prompt_ids):
+    body = {"request_id": "gone", "prompt_token_ids": prompt_ids[5],
+            "sampling": sampling_to_dict(SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))}
+    with httpx.stream("POST", f"{cluster['ce'].url}/pd/decode", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        reservation = json.loads(next(line for line in lines if line.startswith("data: "))[6:])["reservation"]
+        assert httpx.post(f"{cluster['pe'].url}/pd/prefill", json={**body, "reservation": reservation},
+                          timeout=60).status_code == 200
+        next(line for line in lines if line.startswith("data: "))  # decoding has begun
+    # the stream is closed: the CE aborts the request
+    for server in (cluster["ce"], cluster["pe"]):
+        kv = server.wait_blocks_back()
+        assert kv["free_blocks"] == kv["total_blocks"]
+
+
+def test_killed_ce_during_transfer_pe_recovers_within_lease(tmp_path, prompt_ids):
+    ce = Server(["serve", "--role", "completion", *ENGINE], tmp_path / "ce.log").start()
+    pe = Server(["serve", "--role", "prompt", *ENGINE, "--kv-lease-s", "3"], tmp_path / "pe.log").start()
+    try:
+        warm = pd_generate(pe.url, ce.url, "warm", prompt_ids[6], GREEDY)  # PE and CE shook hands
+        assert warm["prefill_status"] == 200
+        start = time.monotonic()
+        # the CE dies after reserving: the PE pushes into the void and its lease (3 s) runs out
+        result = pd_generate(pe.url, ce.url, "doomed", prompt_ids[6], GREEDY, on_reserved=ce.kill)
+        assert result["prefill_status"] == 504
+        assert "lease expired" in result["prefill"]["error"]["message"]
+        assert time.monotonic() - start < 60
+        kv = pe.wait_blocks_back()
+        assert kv["free_blocks"] == kv["total_blocks"]
+        # the PE keeps serving: a new CE, a new request
+        ce2 = Server(["serve", "--role", "completion", *ENGINE], tmp_path / "ce2.log").start()
+        try:
+            again = pd_generate(pe.url, ce2.url, "again", prompt_ids[6], GREEDY)
+            assert again["prefill_status"] == 200 and len(again["tokens"]) == 16
+        finally:
+            ce2.stop()
+    finally:
+        pe.stop()
+        ce.stop()
