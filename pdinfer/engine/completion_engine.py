@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import warnings
 
 import torch
 
@@ -110,7 +111,9 @@ class CompletionEngine(LLMEngine):
             return
         del self.reservations[push.transfer_id]
         cache = self.model_runner.cache
-        data = torch.frombuffer(bytearray(arrival.payload), dtype=torch.uint8)
+        with warnings.catch_warnings():  # read-only receive buffer: we only copy out of it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(arrival.payload, dtype=torch.uint8)
         blocks = data.view(cache.dtype).view(len(push.block_ids), *cache.block_shape)
         write = self.executor.submit_call(cache.write_blocks, list(push.block_ids), blocks)
         write.add_done_callback(lambda f: self.connector.confirm(
