@@ -12,6 +12,7 @@ block only after the copy that read it has completed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -229,11 +230,11 @@ class GpuInputBuilder:
 
 def _block_table_array(tables: list[list[int]], rows: int) -> np.ndarray:
     """Ragged block tables -> [rows, width] int64, zero padded (vectorized: no per-row loop)."""
-    lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
     width = max(1, int(lens.max()) if lens.size else 1)
     out = np.zeros((rows, width), dtype=np.int64)
     if lens.size and lens.sum():
-        flat = np.fromiter((b for t in tables for b in t), dtype=np.int64, count=int(lens.sum()))
+        flat = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
         row_idx = np.repeat(np.arange(lens.size), lens)
         starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
         col_idx = np.arange(flat.size) - np.repeat(starts, lens)

@@ -45,6 +45,9 @@ class GpuAttentionMetadata:
 
 
 PREFILL_BLOCK_M = 128  # query rows per prefill program; the metadata builder tiles with it
+# Launch settings (benchmarks/gpu_suite.py times alternatives; change them only with a measurement).
+DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+PREFILL_CONFIG = {"block_n": 64, "num_warps": 8, "num_stages": 2}
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int | None = None,
@@ -256,13 +259,15 @@ def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: t
         part_ml = torch.empty((b, h, num_splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    block_n = 64 if d_pad <= 128 else 32
+    cfg = DECODE_CONFIG
+    block_n = cfg["block_n"] if d_pad <= 128 else 32
     _decode_kernel[(b, kvh, num_splits)](
         q, c, block_tables, context_lens, out, part_acc, part_ml,
         q.stride(0), q.stride(1), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=dim, D_PAD=d_pad,
-        BLOCK_SIZE=c.shape[2], BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=4, num_stages=2)
+        BLOCK_SIZE=c.shape[2], BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     if num_splits > 1:
         _decode_merge_kernel[(b, h)](part_acc, part_ml, out, out.stride(0), out.stride(1), h,
                                      HEAD_DIM=dim, D_PAD=d_pad, NUM_SPLITS=num_splits, num_warps=4)
@@ -280,15 +285,15 @@ def prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: GpuAtten
     if meta.num_work == 0:
         return out
     d_pad = next_pow2(dim)
-    block_n = 64
-    warps = 8 if d_pad >= 128 else 4
+    cfg = PREFILL_CONFIG
+    warps = cfg["num_warps"] if d_pad >= 128 else 4
     bt = meta.block_tables
     _prefill_kernel[(meta.num_work, h)](
         q, c, bt, meta.context_lens, meta.query_start, meta.work_seq, meta.work_tile, out,
         q.stride(0), q.stride(1), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
         bt.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
         GROUP=group, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=c.shape[2], BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=block_n, num_warps=warps, num_stages=2)
+        BLOCK_N=cfg["block_n"], num_warps=warps, num_stages=cfg["num_stages"])
     return out
 
 
