@@ -72,6 +72,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of this sequence's full blocks
         self.state_id = -1  # slot of per-sequence model state, for models that have one
+        self.state_source = -1  # a fork: the slot its state is cloned from
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None

@@ -381,3 +381,40 @@ def test_a_lone_request_on_one_rank_is_prefilled_by_the_any_point():
     # step 1 is an ALL point (right after a prefill) that fails; 2 and 3 are not ANY points;
     # at decode_step 3 the ANY point prefills "lonely" and rank 0 runs an empty prefill step.
     assert _kinds(logs[0]) == _kinds(logs[1]) == "PDDDPD"
+
+
+# --- state slots (models with per-sequence state) ------------------------------------------------
+def test_forks_clone_their_state_slot_and_slots_come_back():
+    from pdinfer.core.state_manager import StateManager
+
+    sm = StateManager(4)
+    sched = Scheduler(SchedulerConfig(engine_type=NORMAL, max_num_batched_tokens=64, max_num_seqs=8,
+                                      max_model_len=64), BlockManager(64, 4), state_manager=sm)
+    parent = seq_of(6)
+    sched.add_sequence(parent)
+    land_tokens(sched, sched.schedule())
+    assert parent.state_id >= 0 and sm.num_free_slots == 3
+    fork = sched.fork_seq(parent, replace_last_token_id=3)
+    assert fork.state_id == -1  # gets its own slot when it joins running
+    plan = sched.schedule()
+    assert fork.state_id not in (-1, parent.state_id)
+    assert plan.clone_states == [(parent.state_id, fork.state_id)]
+    land_tokens(sched, plan)
+    finish_all(sched)
+    assert sm.num_free_slots == 4
+    assert_all_blocks_free(sched)
+
+
+def test_cache_engine_clones_state_slots():
+    import torch
+
+    from pdinfer.models.presets import PRESETS
+    from pdinfer.models.spec import ModelSpec
+    from pdinfer.worker.cache_engine import CacheEngine
+
+    cache = CacheEngine(ModelSpec.from_hf_config(PRESETS["smollm2-135m"]), 2, 4, torch.float32,
+                        torch.device("cpu"))
+    cache.init_states(3, (5,))
+    cache.states[0] = torch.arange(5.0)
+    cache.copy_states([(0, 2)])
+    assert torch.equal(cache.states[2], torch.arange(5.0)) and cache.states[1].sum() == 0

@@ -16,6 +16,7 @@ from pdinfer.config import SchedulerConfig
 from pdinfer.core.block_manager import BlockManager
 from pdinfer.core.dp import DPGroup, SingleProcessDPGroup
 from pdinfer.core.outputs import SchedulerOutputs
+from pdinfer.core.state_manager import StateManager
 from pdinfer.engine_type import EngineType
 from pdinfer.sequence import Sequence, SequenceStatus
 
@@ -28,10 +29,12 @@ PREEMPTED_ERROR = (
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, dp_group: DPGroup | None = None):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, dp_group: DPGroup | None = None,
+                 state_manager: StateManager | None = None):
         self.config = config
         self.engine_type = EngineType.from_int(config.engine_type)
         self.block_manager = block_manager
+        self.state_manager = state_manager
         self.dp_group: DPGroup = dp_group or SingleProcessDPGroup()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -93,6 +96,7 @@ class Scheduler:
             fork.block_table = list(blocks)
         bs = self.block_manager.block_size
         fork.block_hashes = seq.block_hashes[: fork.num_computed_tokens // bs]
+        fork.state_source = seq.state_id  # cloned into a slot of its own before it runs
         if fork.num_computed_tokens < fork.num_tokens - 1:
             fork.status = SequenceStatus.WAITING
             self.waiting.appendleft(fork)
@@ -127,6 +131,12 @@ class Scheduler:
 
     def free_seq(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        self._free_state(seq)
+
+    def _free_state(self, seq: Sequence) -> None:
+        if self.state_manager is not None and seq.state_id >= 0:
+            self.state_manager.free(seq.state_id)
+            seq.state_id = -1
 
     def remove_seq(self, seq: Sequence) -> None:
         """Forget a sequence without freeing its blocks (a PE hands them over)."""
@@ -219,6 +229,11 @@ class Scheduler:
                 chunk = budget
             if bm.num_blocks_needed(seq, hits, computed + chunk) > bm.num_free_blocks:
                 break
+            sm = self.state_manager
+            if sm is not None and seq.state_id < 0:
+                if not sm.can_allocate():
+                    break
+                seq.state_id = sm.allocate()
             if not seq.block_table:
                 bm.num_prefix_queries += seq.num_tokens
             bm.allocate_prefill(seq, hits, computed + chunk)
@@ -251,10 +266,15 @@ class Scheduler:
             if forked:
                 index = seq.num_computed_tokens // bm.block_size
                 shared = index < len(seq.block_table) and bm.ref_counts[seq.block_table[index]] > 1
-                if shared and bm.num_free_blocks < 1:
+                needs_state = self.state_manager is not None and seq.state_id < 0
+                if (shared and bm.num_free_blocks < 1) or (needs_state and not self.state_manager.can_allocate()):
                     break
                 if shared:
                     outputs.clone_blocks.append(bm.copy_on_write(seq, index))
+                if needs_state:
+                    seq.state_id = self.state_manager.allocate()
+                    if seq.state_source >= 0:
+                        outputs.clone_states.append((seq.state_source, seq.state_id))
             self.prompted.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -281,6 +301,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, outputs: SchedulerOutputs) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        self._free_state(seq)
         self.num_preemptions += 1
         outputs.preempted_seqs.append(seq)
         if self.config.stop_preempted_request:

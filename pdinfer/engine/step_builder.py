@@ -22,7 +22,7 @@ class StepBuilder:
         self.next_step_id += 1
         inp = StepInput(step_id=step_id, is_prompt=plan.prompt_run, input_ids=[], positions=[],
                         query_lens=[], context_lens=[], block_tables=[],
-                        clone_blocks=list(plan.clone_blocks))
+                        clone_blocks=list(plan.clone_blocks), clone_states=list(plan.clone_states))
         owners: list[tuple[Sequence, int]] = []
         for seq, num_tokens, do_sample in zip(plan.scheduled_seqs, plan.num_scheduled_tokens, plan.do_sample):
             self._add_seq(inp, owners, seq, num_tokens, do_sample)

@@ -33,6 +33,21 @@ class CacheEngine:
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.bytes_per_block = self.kv[0].numel() * self.kv.element_size()
+        self.states: torch.Tensor | None = None
+
+    def init_states(self, num_slots: int, state_shape: tuple[int, ...]) -> None:
+        """Per-sequence state slots for models that carry state beside their paged K/V."""
+        self.states = torch.zeros((num_slots, *state_shape), dtype=self.dtype, device=self.device)
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Clone state slots (a fork's state starts as its parent's)."""
+        if not pairs:
+            return
+        if self.states is None:
+            raise RuntimeError("state slots cloned, but this model has no per-sequence state")
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        self.states[dst] = self.states[src]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:

@@ -100,6 +100,7 @@ class ModelRunner:
         if self.gpu is not None:
             return self.gpu.execute(inp)  # a PendingStepResult; DeviceStepFuture waits for it
         self.cache.copy_blocks(inp.clone_blocks)
+        self.cache.copy_states(inp.clone_states)
         if inp.num_tokens == 0:
             return StepResult(step_id=inp.step_id, token_ids=[])
         input_ids = torch.tensor(inp.input_ids, dtype=torch.int64, device=self.device)

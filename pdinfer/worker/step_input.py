@@ -46,6 +46,7 @@ class StepInput:
     # seen yet (zero-overhead scheduling); the runner takes them from that step's output.
     pending: list[tuple[int, int, int]] = field(default_factory=list)
     clone_blocks: list[tuple[int, int]] = field(default_factory=list)
+    clone_states: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) state slots
 
     @property
     def num_tokens(self) -> int:
