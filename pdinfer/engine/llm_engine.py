@@ -23,6 +23,7 @@ from pdinfer.core.block_manager import BlockManager
 from pdinfer.core.dp import DPGroup
 from pdinfer.core.outputs import SchedulerOutputs
 from pdinfer.core.scheduler import Scheduler
+from pdinfer.core.state_manager import StateManager
 from pdinfer.engine.output_processor import OutputProcessor
 from pdinfer.engine.request import RequestState
 from pdinfer.engine.step_builder import StepBuilder
@@ -70,7 +71,8 @@ class LLMEngine:
         self._init_cache()
         self.block_manager = BlockManager(self.num_blocks, self.cache_config.block_size,
                                           self.cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, dp_group)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, dp_group,
+                                   self._state_manager())
         self.executor = StepExecutor(self.model_runner, overlap=self.zero_overhead)
         self.kv_store = KVStoreAgent.create(self)  # None unless EngineArgs.kv_store is set
         self.step_builder = StepBuilder()
@@ -105,6 +107,15 @@ class LLMEngine:
             self.init_pd_split()
         if self.use_cuda_graph:  # the warm-up step: capture decode graphs over the real cache
             self.model_runner.capture_cuda_graphs(sc.max_num_seqs, sc.max_model_len)
+
+    def _state_manager(self) -> StateManager | None:
+        """State slots only for models with per-sequence state (none of the Llama family)."""
+        shape = getattr(self.model_runner.model, "state_shape", None)
+        if not shape:
+            return None
+        num_slots = 2 * self.scheduler_config.max_num_seqs
+        self.model_runner.cache.init_states(num_slots, tuple(shape))
+        return StateManager(num_slots)
 
     # --- the hooks (base implementations are the seed's defaults) ---------------------------------
     def init_pd_split(self) -> None:
@@ -270,7 +281,10 @@ class LLMEngine:
         return outputs
 
     def _launch(self, plan: SchedulerOutputs) -> InFlight | None:
-        if plan.is_empty and not plan.clone_blocks:
+        # In a DP group a rank's companion empty prefill step still runs an (empty) forward,
+        # so every rank keeps the same beat.
+        companion = plan.prompt_run and self.scheduler.dp_group.size > 1
+        if plan.is_empty and not plan.clone_blocks and not companion:
             return None
         inp, owners = self.step_builder.build(plan)
         return InFlight(plan, inp, owners, self.executor.launch(inp))
