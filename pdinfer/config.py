@@ -128,6 +128,10 @@ class EngineArgs:
     enforce_eager: bool = False
     num_threads: int | None = None  # torch intra-op threads on CPU
     kv_transfer: dict[str, Any] = field(default_factory=dict)  # P/D connector settings
+    kv_store: str | None = None  # KV cache store: a directory (may be shared) or "memory"
+    kv_store_bytes: int | None = None  # its bound (default: 16 GiB directory, 1 GiB memory)
+    kv_store_memory_bytes: int = 0  # > 0: a memory tier of this size in front of a directory
+    kv_store_save_interval_tokens: int = 0  # > 0: also save running sequences every N tokens
     # Resolved in __post_init__ from the role and the environment:
     zero_overhead_scheduling: bool = field(init=False, default=False)
 
@@ -148,6 +152,10 @@ class EngineArgs:
             env.rearm(name)  # an engine sees the environment as it is when it is built
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.kv_store_bytes is not None and self.kv_store_bytes <= 0:
+            raise ValueError(f"kv_store_bytes must be positive, got {self.kv_store_bytes}")
+        if self.kv_store_memory_bytes < 0 or self.kv_store_save_interval_tokens < 0:
+            raise ValueError("kv_store_memory_bytes and kv_store_save_interval_tokens must be >= 0")
 
     @property
     def role(self) -> EngineType:

@@ -124,6 +124,22 @@ class BlockManager:
                 self.hash_to_block[h] = block_id
                 self.block_hash[block_id] = h
 
+    def hash_full_blocks(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """Chained hashes of the sequence's full blocks of known tokens up to ``num_tokens``."""
+        self._extend_hashes(seq, num_tokens)
+        return seq.block_hashes[: min(num_tokens, len(seq.token_ids)) // self.block_size]
+
+    def adopt_cached_blocks(self, block_ids: list[int], hashes: list[bytes]) -> None:
+        """Publish blocks the caller allocated and filled with K/V computed elsewhere (a KV
+        store) under their hashes, then free them: cached and free, a prefix lookup takes them."""
+        for block_id, h in zip(block_ids, hashes, strict=True):
+            if self.ref_counts[block_id] != 1 or self.block_hash[block_id] is not None:
+                raise RuntimeError(f"block {block_id} is not a freshly allocated block")
+            if self.enable_prefix_caching and h not in self.hash_to_block:
+                self.hash_to_block[h] = block_id
+                self.block_hash[block_id] = h
+        self.free_blocks(block_ids)
+
     # --- prefill ---------------------------------------------------------------------------
     def num_blocks_needed(self, seq: Sequence, hits: list[int], num_tokens: int) -> int:
         """Free blocks consumed if ``seq`` (taking ``hits`` first) must cover ``num_tokens``."""

@@ -1,0 +1,208 @@
+"""The engine's side of the KV store (``engine.kv_store``).
+
+Load (PROMPT and NORMAL), once per new waiting sequence, before ``schedule()``: beyond the prefix
+the local prefix cache already holds, read the longest run of consecutive stored blocks
+(at least one token stays to compute), write them into freshly taken blocks through the step
+executor (so the write lands before the next forward) and publish those blocks as cached and
+free. The scheduler's ordinary ``lookup_prefix`` then takes them: ``num_cached_tokens`` counts
+them and only the rest of the prompt is computed.
+
+Save (COMPLETION and NORMAL), from ``do_save_kvcache``: the full blocks of finished sequences
+(and, with ``save_interval_tokens``, of running ones every that many tokens) that the store does
+not hold yet. The copy is queued on the step executor behind the work in flight, so it is taken
+before ``finalize_seq`` frees the blocks and before any later step reuses them (K/V of a full
+block never changes once written); a background thread writes it to the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdinfer.engine_type import EngineType
+from pdinfer.kv_store.saver import BackgroundSaver, SaveJob
+from pdinfer.kv_store.store import KVStore, layout_namespace, open_store
+from pdinfer.sequence import Sequence
+
+if TYPE_CHECKING:
+    from pdinfer.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("pdinfer")
+
+DEFAULT_MAX_PENDING_SAVE_BYTES = 256 << 20
+_KNOWN_KEYS = 1 << 16  # keys known to be stored: saves skip them without asking the store...
+_KNOWN_TTL_S = 10.0  # ...for this long (the store may evict them meanwhile)
+
+
+class KVStoreAgent:
+    def __init__(self, engine: LLMEngine, store: KVStore, save_interval_tokens: int = 0,
+                 max_pending_save_bytes: int = DEFAULT_MAX_PENDING_SAVE_BYTES):
+        self.engine = engine
+        self.store = store
+        self.block_manager = engine.block_manager
+        self.cache = engine.model_runner.cache
+        self.block_size = self.block_manager.block_size
+        self.save_interval_tokens = save_interval_tokens
+        # Loaded blocks reach a prefill only through the prefix cache.
+        self.loads = engine.engine_type is not EngineType.COMPLETION and self.block_manager.enable_prefix_caching
+        self.saver = None
+        if engine.engine_type is not EngineType.PROMPT:  # a PE's prompts are saved by their CE
+            self.saver = BackgroundSaver(store, max_pending_save_bytes, self._payloads)
+        self._looked_up: set[int] = set()  # waiting sequences already looked up
+        self._saved_upto: dict[int, int] = {}  # running sequence -> leading blocks saved
+        self._known: OrderedDict[bytes, float] = OrderedDict()  # key -> when it was seen stored
+        self.loaded_blocks = 0
+        self.loaded_requests = 0
+
+    @classmethod
+    def create(cls, engine: LLMEngine) -> KVStoreAgent | None:
+        """The agent ``engine.args`` asks for (``kv_store``), or None."""
+        args = engine.args
+        if not args.kv_store:
+            return None
+        from pdinfer.engine.pd_common import kv_layout
+
+        store = open_store(args.kv_store, layout_namespace(kv_layout(engine)),
+                           engine.cache_config.block_size, args.kv_store_bytes,
+                           args.kv_store_memory_bytes)
+        logger.info("KV store %s (%s)", args.kv_store, store.namespace)
+        return cls(engine, store, args.kv_store_save_interval_tokens)
+
+    # --- load ------------------------------------------------------------------------------------
+    def load_waiting(self) -> None:
+        """Load stored prefixes of new waiting sequences, in queue order, for about one step's
+        worth of prompt tokens (what the scheduler will take next)."""
+        if not self.loads:
+            return
+        scheduler = self.engine.scheduler
+        self._looked_up &= {seq.seq_id for seq in scheduler.waiting}
+        budget = scheduler.config.max_num_batched_tokens
+        for seq in list(scheduler.waiting):
+            if budget <= 0:
+                break
+            if seq.block_table or seq.num_computed_tokens or seq.num_pending_tokens:
+                continue  # a chunked prefill under way, or not settled yet
+            if seq.seq_id in self._looked_up or seq.num_tokens > scheduler.config.prompt_limit:
+                continue
+            self._looked_up.add(seq.seq_id)
+            budget -= seq.num_tokens - self._load(seq)
+
+    def _load(self, seq: Sequence) -> int:
+        """Load what the store adds to the local prefix of ``seq``; returns the tokens cached now."""
+        bm, bs = self.block_manager, self.block_size
+        hashes = bm.hash_full_blocks(seq, (seq.num_tokens - 1) // bs * bs)
+        local = bm.lookup_prefix(seq)
+        start = len(local)
+        pinned = bm.share(local)  # keep our own prefix out of the blocks we are about to take
+        try:
+            payloads = []
+            for key in hashes[start : start + bm.num_free_blocks]:
+                payload = self.store.get(key)
+                if payload is None or len(payload) != self.cache.bytes_per_block:
+                    break
+                payloads.append(payload)
+            if payloads:
+                self._write(payloads, hashes[start : start + len(payloads)])
+                self.loaded_requests += 1
+        finally:
+            bm.free_blocks(pinned)
+        return (start + len(payloads)) * bs
+
+    def _write(self, payloads: list, keys: list[bytes]) -> None:
+        bm, cache = self.block_manager, self.cache
+        block_ids = bm.allocate_blocks(len(payloads))
+        data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+        blocks = data.view(cache.dtype).view(len(payloads), *cache.block_shape)
+        # In step order: after any step still reading these blocks, before the next forward.
+        self.engine.executor.submit_call(cache.write_blocks, block_ids, blocks)
+        bm.adopt_cached_blocks(block_ids, keys)
+        self.loaded_blocks += len(block_ids)
+        for key in keys:
+            self._remember(key)
+
+    # --- save ------------------------------------------------------------------------------------
+    def save(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
+        """Queue the unsaved full blocks of ``finished`` (and of long ``scheduled``) sequences."""
+        if self.saver is None:
+            return
+        jobs = [(seq, self._saved_upto.pop(seq.seq_id, 0)) for seq in finished]
+        if self.save_interval_tokens:
+            for seq in scheduled:
+                done = self._saved_upto.get(seq.seq_id, 0)
+                if not seq.is_finished and seq.num_computed_tokens - done * self.block_size >= self.save_interval_tokens:
+                    jobs.append((seq, done))
+        block_ids, keys, seen = [], [], set()
+        for seq, start in jobs:
+            upto = self._full_blocks(seq)
+            hashes = self.block_manager.hash_full_blocks(seq, upto * self.block_size)
+            for i in range(start, upto):
+                if hashes[i] not in seen and not self._stored(hashes[i]):
+                    seen.add(hashes[i])
+                    block_ids.append(seq.block_table[i])
+                    keys.append(hashes[i])
+            if not seq.is_finished:
+                self._saved_upto[seq.seq_id] = upto
+        if len(self._saved_upto) > 2 * self.engine.scheduler_config.max_num_seqs:
+            running = {seq.seq_id for seq in self.engine.scheduler.running}
+            self._saved_upto = {k: v for k, v in self._saved_upto.items() if k in running}
+        if not block_ids:
+            return
+        nbytes = len(block_ids) * self.cache.bytes_per_block
+        if not self.saver.has_room(nbytes):
+            self.saver.drop(len(block_ids))  # never make decode wait for the store
+            return
+        # Behind the step in flight (which may still write these blocks), before finalize_seq
+        # can free them and any later step reuse them.
+        copy = self.engine.executor.submit_call(self.cache.read_blocks_async, block_ids)
+        if self.saver.submit(SaveJob(keys, copy, nbytes)):
+            for key in keys:
+                self._remember(key)
+
+    def _full_blocks(self, seq: Sequence) -> int:
+        """Leading blocks of ``seq`` that are full of K/V of known tokens."""
+        tokens = min(seq.num_computed_tokens, len(seq.token_ids), len(seq.block_table) * self.block_size)
+        return tokens // self.block_size
+
+    def _stored(self, key: bytes) -> bool:
+        seen = self._known.get(key)
+        if seen is not None and time.monotonic() - seen < _KNOWN_TTL_S:
+            return True
+        if self.store.contains(key):
+            self._remember(key)
+            return True
+        return False
+
+    def _remember(self, key: bytes) -> None:
+        self._known[key] = time.monotonic()
+        self._known.move_to_end(key)
+        while len(self._known) > _KNOWN_KEYS:
+            self._known.popitem(last=False)
+
+    def _payloads(self, copied) -> list:
+        host, event = copied
+        event.synchronize()
+        flat = host.contiguous().view(-1).view(torch.uint8).numpy()
+        size = self.cache.bytes_per_block
+        return [memoryview(flat[i * size : (i + 1) * size]) for i in range(host.shape[0])]
+
+    # --- metrics and lifetime --------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        stats = self.store.stats()
+        stats.update(loaded_blocks=self.loaded_blocks, loaded_requests=self.loaded_requests)
+        if self.saver is not None:
+            stats.update(saved_blocks=self.saver.saved_blocks, dropped_saves=self.saver.dropped_blocks,
+                         failed_saves=self.saver.failed_blocks, pending_save_bytes=self.saver.pending_bytes)
+        return stats
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued saves are in the store (tests, benchmarks, shutdown)."""
+        return self.saver is None or self.saver.flush(timeout)
+
+    def close(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
+        self.store.close()

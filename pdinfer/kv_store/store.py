@@ -1,0 +1,175 @@
+"""The KV cache store: K/V of full blocks kept outside any engine, keyed by chained prefix hash.
+
+Completion (and NORMAL) engines save the full blocks of finished sequences; prefill (and NORMAL)
+engines load the longest stored run of a new prompt's blocks instead of recomputing it. DeepSeek
+runs this on 3FS; the embedded default is a directory, which also works on a shared file system
+across hosts, optionally with an in-memory LRU tier in front.
+
+A key is the block's chained hash (``BlockManager``'s ``block_hashes``: equal hashes mean equal
+prefixes). A block is only valid for the KV layout it was computed with (model, dtype, layers,
+heads, head size, block size), so every store serves one layout, its ``namespace``.
+
+Backends never raise for I/O trouble: a block they cannot read or verify is a miss, a block they
+cannot write is not stored. No pickle anywhere: raw bytes behind a small binary header.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import msgspec
+
+from pdinfer.core.block_manager import ROOT_HASH, chain_hash
+
+MEMORY = "memory"  # EngineArgs.kv_store value for a memory-only store
+DEFAULT_DIRECTORY_BYTES = 16 << 30
+DEFAULT_MEMORY_BYTES = 1 << 30
+
+
+@dataclass
+class StoreCounters:
+    hits: int = 0  # get() that returned a block
+    misses: int = 0  # get() that did not (absent, unreadable or corrupt)
+    bytes_read: int = 0
+    bytes_written: int = 0
+    puts: int = 0  # blocks written
+    evictions: int = 0  # blocks evicted to stay under the bound
+    corrupt: int = 0  # blocks that failed verification (and were deleted)
+    write_errors: int = 0
+
+
+class KVStore(ABC):
+    """A bounded map from block key to the raw K/V bytes of one block, for one KV layout."""
+
+    def __init__(self, namespace: str, block_size: int, max_bytes: int):
+        if block_size <= 0 or max_bytes <= 0:
+            raise ValueError(f"need block_size > 0 and max_bytes > 0, got {block_size}, {max_bytes}")
+        self.namespace = namespace
+        self.block_size = block_size
+        self.max_bytes = max_bytes
+        self.counters = StoreCounters()
+        self._count_lock = threading.Lock()
+
+    @abstractmethod
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` is stored (cheap; a later ``get`` may still miss)."""
+
+    @abstractmethod
+    def get(self, key: bytes) -> bytes | None:
+        """The verified payload of ``key``, or None."""
+
+    @abstractmethod
+    def put(self, key: bytes, payload) -> bool:
+        """Store ``payload`` (bytes-like) under ``key``; False if it was already there or failed."""
+
+    @abstractmethod
+    def evict(self, max_bytes: int | None = None) -> int:
+        """Drop least-recently-used blocks until at most ``max_bytes`` (default: the bound) are
+        stored; returns the bytes freed."""
+
+    @abstractmethod
+    def size_bytes(self) -> int:
+        """Bytes stored now (for a shared directory: as of the last scan plus own writes)."""
+
+    def stats(self) -> dict[str, int]:
+        with self._count_lock:
+            values = asdict(self.counters)
+        return {**values, "bytes": self.size_bytes(), "max_bytes": self.max_bytes}
+
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
+        """Release what the backend holds."""
+
+    def _count(self, **deltas: int) -> None:
+        with self._count_lock:
+            for name, delta in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + delta)
+
+    def longest_stored_prefix(self, token_ids: Sequence[int]) -> int:
+        """Tokens of ``token_ids`` whose K/V a prefill could load from here: the longest run of
+        stored full blocks from the start, leaving at least one token to compute (what an
+        engine would reuse). Cheap: hashing and existence checks, no reads."""
+        hashes = prefix_hashes(token_ids, self.block_size, (len(token_ids) - 1) // self.block_size)
+        stored = 0
+        for key in hashes:
+            if not self.contains(key):
+                break
+            stored += 1
+        return stored * self.block_size
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
+    """Chained hashes of the first ``num_blocks`` full blocks (the block manager's keys)."""
+    hashes: list[bytes] = []
+    parent = ROOT_HASH
+    for i in range(min(num_blocks, len(token_ids) // block_size)):
+        parent = chain_hash(parent, list(token_ids[i * block_size : (i + 1) * block_size]))
+        hashes.append(parent)
+    return hashes
+
+
+def layout_namespace(layout) -> str:
+    """A readable directory-safe name for a ``KVLayout``, covering all of its fields."""
+    digest = hashlib.blake2b(msgspec.json.encode(layout), digest_size=6).hexdigest()
+    return f"{layout.model}-{layout.dtype}-b{layout.block_size}-{digest}"
+
+
+class TieredStore(KVStore):
+    """A fast tier (memory) in front of a shared one (directory): reads fill the front, writes go
+    through to the back, which is the truth other processes see."""
+
+    def __init__(self, front: KVStore, back: KVStore):
+        super().__init__(back.namespace, back.block_size, back.max_bytes)
+        self.front, self.back = front, back
+
+    def contains(self, key: bytes) -> bool:
+        return self.front.contains(key) or self.back.contains(key)
+
+    def get(self, key: bytes) -> bytes | None:
+        payload = self.front.get(key)
+        if payload is None:
+            payload = self.back.get(key)
+            if payload is not None:
+                self.front.put(key, payload)
+        return payload
+
+    def put(self, key: bytes, payload) -> bool:
+        written = self.back.put(key, payload)
+        self.front.put(key, payload)
+        return written
+
+    def evict(self, max_bytes: int | None = None) -> int:
+        return self.front.evict(max_bytes) + self.back.evict(max_bytes)
+
+    def size_bytes(self) -> int:
+        return self.back.size_bytes()
+
+    def stats(self) -> dict[str, int]:
+        front, back = self.front.stats(), self.back.stats()
+        merged = dict(back)
+        merged["hits"] = front["hits"] + back["hits"]  # a front miss that the back serves is a hit
+        merged.update({f"memory_{name}": value for name, value in front.items()})
+        return merged
+
+    def close(self) -> None:
+        self.front.close()
+        self.back.close()
+
+
+def open_store(location: str, namespace: str, block_size: int, max_bytes: int | None = None,
+               memory_bytes: int = 0) -> KVStore:
+    """``location``: "memory", or a directory (created if missing; may be shared by processes
+    and hosts). ``memory_bytes`` > 0 puts a memory tier of that size in front of a directory."""
+    from pdinfer.kv_store.memory import MemoryStore
+
+    if location == MEMORY:
+        return MemoryStore(namespace, block_size, max_bytes or memory_bytes or DEFAULT_MEMORY_BYTES)
+    from pdinfer.kv_store.directory import DirectoryStore
+
+    store: KVStore = DirectoryStore(location, namespace, block_size, max_bytes or DEFAULT_DIRECTORY_BYTES)
+    if memory_bytes > 0:
+        store = TieredStore(MemoryStore(namespace, block_size, memory_bytes), store)
+    return store
