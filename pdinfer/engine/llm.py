@@ -20,7 +20,13 @@ class LLM:
     """``LLM()`` loads the embedded default model; ``LLM(model=path, **engine_args)`` another."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        args = EngineArgs(model=model, **kwargs)
+        if args.data_parallel_size > 1:  # rank processes behind a DP front, same results
+            from pdinfer.distributed.dp_client import DPEngineClient
+
+            self.engine = DPEngineClient(args)
+        else:
+            self.engine = LLMEngine(args)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -1,0 +1,280 @@
+"""``DPFront``: one NORMAL engine made of a DP group of rank processes, behind one front.
+
+Requests enter the front once; a replica load balancer (``replica_lb``) picks a rank for each;
+outputs come back through the front, streaming included. The front presents ``AsyncEngine``'s
+interface (``add_request`` -> ``RequestStream``, ``generate``, ``abort``, ``stats``,
+``is_healthy``, ``role``, ``scheduler_config``, ``tokenizer``, ``start``, ``shutdown``), so
+``build_app`` serves it unchanged; ``submit`` is the thread-level entry ``DPEngineClient``
+(``LLM(data_parallel_size=N)``) uses.
+
+Transport: one ZeroMQ ROUTER socket on the front, one DEALER per rank, msgspec JSON messages
+(``messages``). Rendezvous of the ranks: a ``TCPStore`` the front hosts (``dp_group``).
+
+Addresses. On one host nothing needs setting: the front binds 127.0.0.1 on free ports. Across
+hosts, host 0 runs ``pdinfer serve --data-parallel-size N --data-parallel-size-local L
+--dp-master-addr HOST0 --dp-master-port P`` (front + ranks 0..L-1; the store listens on P and
+the front's socket on P+1), and every other host runs ``pdinfer serve --headless
+--dp-rank-offset K --data-parallel-size-local L --dp-master-addr HOST0 --dp-master-port P``
+(an agent starting ranks K..K+L-1 with the front's engine settings). The ports are not
+authenticated: keep them on a trusted network.
+
+Failures. A rank that exits (or sends nothing for ``heartbeat_timeout_s``) fails the whole
+generation: the other ranks could only wait in their next collective (they would fail within the
+group timeout by themselves). The front kills and reaps every rank of that generation, ends the
+requests that already streamed output with a clear error (final output, finish_reason "error"),
+queues the others again (at most ``max_attempts`` sends each; sampling seeds are fixed at the
+front, so a retried request samples the same tokens) and starts a new generation on the same
+store under a new key prefix. New requests wait at the front meanwhile. More than
+``max_restarts`` restarts within ``restart_window_s`` -- or a failure before the group ever
+came up -- leaves the front dead (``is_healthy`` False, every request failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdinfer import env
+from pdinfer.config import EngineArgs
+from pdinfer.distributed.dp_supervisor import GroupSupervisor
+from pdinfer.distributed.messages import RankStats, params_to_dict
+from pdinfer.distributed.tracked import AsyncSink, TrackedRequest
+from pdinfer.engine_type import EngineType
+from pdinfer.outputs import RequestOutput
+from pdinfer.sampling_params import SamplingParams
+from pdinfer.serving.async_engine import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStats,
+    RequestStream,
+)
+
+logger = logging.getLogger("pdinfer")
+
+
+@dataclass(frozen=True)
+class DPOptions:
+    master_addr: str = "127.0.0.1"  # where ranks find the front's store and socket
+    master_port: int = 0  # the store's port; 0: a free one (one host only)
+    front_port: int | None = None  # the front's ZeroMQ port; default master_port + 1 (or free)
+    num_local_ranks: int | None = None  # ranks started on the front's host (default: all)
+    backend: str = "auto"  # gloo on CPU, nccl on GPUs
+    timeout_s: float = 60.0  # DP group timeout: the longest any collective waits
+    startup_timeout_s: float = 600.0  # model loading included
+    heartbeat_timeout_s: float | None = None  # default: timeout_s + 15
+    max_restarts: int = 3
+    restart_window_s: float = 600.0
+    max_attempts: int = 2  # sends of a request that streamed nothing (1: never retried)
+    max_idle_sleep_ms: float = 20.0
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "startup_timeout_s", "restart_window_s", "max_idle_sleep_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_attempts < 1 or self.max_restarts < 0:
+            raise ValueError("max_attempts must be >= 1 and max_restarts >= 0")
+        if not 0 <= self.master_port < 65535:
+            raise ValueError(f"master_port must be a TCP port (0: pick one), got {self.master_port}")
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.heartbeat_timeout_s or self.timeout_s + 15.0
+
+
+class DPFront:
+    def __init__(self, engine_args: EngineArgs, options: DPOptions | None = None,
+                 max_waiting: int | None = None):
+        from pdinfer.models.loader import load_tokenizer, resolve_model
+        from pdinfer.models.spec import ModelSpec
+
+        if engine_args.role is not EngineType.NORMAL:
+            raise ValueError(
+                f"a DP group serves the NORMAL role (its ranks vote on each step's type); "
+                f"{engine_args.role.name} engines scale by running more of them behind the router")
+        if max_waiting is not None and max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1 (or None for no limit), got {max_waiting}")
+        self.options = options or DPOptions()
+        self.size = engine_args.data_parallel_size
+        num_local = self.options.num_local_ranks or self.size
+        if not 1 <= num_local <= self.size:
+            raise ValueError(f"{num_local} local ranks do not fit a DP group of {self.size}")
+        if engine_args.num_threads is None and engine_args.device in ("auto", "cpu"):
+            # The ranks share this host's cores: a rank may not grab all of them.
+            engine_args.num_threads = max(1, (os.cpu_count() or 1) // num_local)
+        self.engine_args = engine_args
+        self.max_waiting = max_waiting
+        folder, hf_config = resolve_model(engine_args.model, env.get("PDINFER_CACHE_DIR"))
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.scheduler_config = engine_args.create_scheduler_config(self.spec.max_position_embeddings)
+        source = engine_args.tokenizer if engine_args.tokenizer != engine_args.model else None
+        self.tokenizer = load_tokenizer(folder, source)
+        self._tokenizer_lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()  # guards requests, commands and error
+        self.requests: dict[str, TrackedRequest] = {}
+        self.commands: deque[tuple[Any, ...]] = deque()
+        self.ready_event = threading.Event()
+        self._supervisor: GroupSupervisor | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    # --- what the server reads ---------------------------------------------------------------
+    @property
+    def role(self) -> EngineType:
+        return EngineType.NORMAL
+
+    @property
+    def is_healthy(self) -> bool:
+        sup = self._supervisor
+        return (self.error is None and not self._stopped and sup is not None and sup.is_ready
+                and self._thread is not None and self._thread.is_alive())
+
+    @property
+    def stats(self) -> EngineStats:
+        sup = self._supervisor
+        ranks = sup.rank_stats() if sup is not None else []
+        total = {name: sum(getattr(s, name) for s in ranks) for name in (
+            "num_waiting", "num_running", "num_prompted", "num_requests", "num_free_blocks",
+            "num_total_blocks", "num_prefix_hit_tokens", "num_prefix_query_tokens",
+            "num_preemptions")}
+        return EngineStats(**total, num_steps=max((s.num_steps for s in ranks), default=0))
+
+    def rank_stats(self) -> list[RankStats]:
+        """The latest report of every rank (vote timings included), for benchmarks."""
+        return self._supervisor.rank_stats() if self._supervisor is not None else []
+
+    def rank_pids(self) -> list[int]:
+        return self._supervisor.rank_pids() if self._supervisor is not None else []
+
+    @property
+    def generation(self) -> int:
+        return self._supervisor.generation if self._supervisor is not None else -1
+
+    def num_waiting(self) -> int:
+        """Requests that have not produced their first token yet (queued here or on a rank)."""
+        with self.lock:
+            return sum(1 for r in self.requests.values() if r.first_token_s is None)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._supervisor = GroupSupervisor(self)
+        self._thread = threading.Thread(target=self._supervisor.run, name="pdinfer-dp-front",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.shutdown)
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Block until every rank is up; raises ``EngineDeadError`` if the group failed."""
+        if self._thread is None:
+            raise EngineDeadError("the DP front is not started")
+        if not self.ready_event.wait(timeout_s):
+            raise TimeoutError(f"the DP group did not come up within {timeout_s} s")
+        if self.error is not None:
+            raise EngineDeadError(str(self.error))
+
+    def shutdown(self, timeout_s: float | None = 30.0) -> None:
+        atexit.unregister(self.shutdown)
+        with self.lock:
+            self._stopped = True
+            self.commands.append(("stop",))
+        if self._supervisor is not None:
+            self._supervisor.wake()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # --- requests ------------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt, params: SamplingParams,
+               sink: Callable[[Any], None], *, final_only: bool = False,
+               dp_rank: int | None = None) -> None:
+        """Add a request from any thread; its outputs (or an exception) go to ``sink``, called
+        from the front's I/O thread (it must not block). ``dp_rank`` pins it to one rank."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        params.verify()
+        if dp_rank is not None and not 0 <= dp_rank < self.size:
+            raise ValueError(f"dp_rank {dp_rank} is outside the group of {self.size}")
+        text, token_ids = self.tokenize(prompt)
+        values = params_to_dict(params)
+        values["seed"] = params.resolved_seed()
+        tracked = TrackedRequest(request_id, text, token_ids, values, sink, final_only, dp_rank,
+                                 time.monotonic())
+        with self.lock:
+            if self.error is not None or self._stopped or self._thread is None:
+                raise EngineDeadError(self._dead_message())
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if self.max_waiting is not None:
+                waiting = sum(1 for r in self.requests.values() if r.first_token_s is None)
+                if waiting >= self.max_waiting:
+                    raise EngineOverloadedError(
+                        f"the engine has {waiting} requests waiting (limit {self.max_waiting}); "
+                        "retry later")
+            self.requests[request_id] = tracked
+            self.commands.append(("add", request_id))
+        self._supervisor.wake()
+
+    async def add_request(self, request_id: str, prompt, params: SamplingParams, *,
+                          dp_rank: int | None = None) -> RequestStream:
+        items: asyncio.Queue = asyncio.Queue()
+        self.submit(request_id, prompt, params, AsyncSink(asyncio.get_running_loop(), items),
+                    dp_rank=dp_rank)
+        return RequestStream(self, request_id, items)  # type: ignore[arg-type]
+
+    async def generate(self, request_id: str, prompt, params: SamplingParams, *,
+                       dp_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt, params, dp_rank=dp_rank)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; a no-op for a request that already finished."""
+        with self.lock:
+            self.commands.append(("abort", request_id))
+        if self._supervisor is not None:
+            self._supervisor.wake()
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """What ``LLMEngine.tokenize`` accepts, checked here so a bad prompt fails at once."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+            return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+        if isinstance(prompt, list):
+            return None, self._check_token_ids(prompt)
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt is text or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+        with self._tokenizer_lock:
+            return prompt, self._check_token_ids(self.tokenizer(prompt).input_ids)
+
+    def _check_token_ids(self, token_ids) -> list[int]:
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.spec.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return token_ids
+
+    def _dead_message(self) -> str:
+        if self.error is not None:
+            return f"the DP group is down: {self.error}"
+        if self._thread is None:
+            return "the DP front is not started"
+        return "the DP front is shut down"

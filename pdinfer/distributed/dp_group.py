@@ -1,0 +1,96 @@
+"""``TorchDPGroup``: the DP group of real processes, over ``torch.distributed``.
+
+The NORMAL scheduler only needs rank, size and ``all_reduce_min`` of a few ints (the interface
+is ``pdinfer.core.dp.DPGroup``). Backend: gloo on CPU, NCCL when the ranks run on GPUs.
+
+Rendezvous. The DP front hosts a ``TCPStore`` at (master_addr, master_port): on one host it
+picks a free port itself; across hosts the operator passes ``--dp-master-addr/--dp-master-port``
+to every host (see ``pdinfer.distributed.dp_front``). Each generation of the group (the front
+restarts the whole group after a failure) uses its own key prefix in that store, so a restart
+never needs a new port and never meets stale keys.
+
+Timeouts. Ranks load their models at different speeds, so they first wait for each other on the
+store with the generous ``startup_timeout_s``; only then is the process group formed, with
+``timeout_s``. From then on a collective whose peer died fails at once (gloo sees the closed
+connection) and one whose peer is stuck fails after ``timeout_s`` -- a rank never hangs forever.
+With NCCL the watchdog enforces the same timeout by aborting the process.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class DPGroupError(RuntimeError):
+    """A collective of the DP group failed: a peer died, or did not answer within the timeout."""
+
+
+def host_store(host: str, port: int = 0) -> dist.TCPStore:
+    """The rendezvous store the front keeps for the life of the service (port 0: a free one,
+    read it back from ``.port``)."""
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=30))
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+class TorchDPGroup:
+    """One rank's membership of the DP group. Build it, hand it to ``LLMEngine``, load, then
+    ``join()``; ``all_reduce_min`` before ``join`` is an error."""
+
+    def __init__(self, rank: int, size: int, master_addr: str, master_port: int, *,
+                 generation: int = 0, backend: str = "auto", timeout_s: float = 60.0):
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"DP rank {rank} is outside a group of {size}")
+        if timeout_s <= 0:
+            raise ValueError(f"the DP group timeout must be positive, got {timeout_s}")
+        self.rank, self.size = rank, size
+        self.master_addr, self.master_port = master_addr, master_port
+        self.generation = generation
+        self.backend = default_backend() if backend == "auto" else backend
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"DP backend must be auto, gloo or nccl, got {backend!r}")
+        self.timeout_s = timeout_s
+        self.device = torch.device("cpu")
+        self.num_calls = 0
+        self.total_ns = 0  # time inside all_reduce_min, waiting for the slowest rank included
+        self._joined = False
+
+    def join(self, startup_timeout_s: float = 600.0) -> None:
+        startup = timedelta(seconds=startup_timeout_s)
+        client = dist.TCPStore(self.master_addr, self.master_port, is_master=False, timeout=startup)
+        store = dist.PrefixStore(f"pdinfer-dp/{self.generation}/", client)
+        store.set(f"loaded/{self.rank}", "1")
+        store.wait([f"loaded/{r}" for r in range(self.size)], startup)
+        if self.backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size,
+                                timeout=timedelta(seconds=self.timeout_s))
+        self._joined = True
+
+    def all_reduce_min(self, values: list[int]) -> list[int]:
+        if not self._joined:
+            raise RuntimeError("TorchDPGroup.join() first")
+        start = time.perf_counter_ns()
+        tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+            result = tensor.tolist()
+        except RuntimeError as exc:
+            raise DPGroupError(
+                f"DP rank {self.rank}/{self.size}: all-reduce failed (a peer died or did not "
+                f"answer within {self.timeout_s:g} s): {str(exc).splitlines()[0]}") from exc
+        self.total_ns += time.perf_counter_ns() - start
+        self.num_calls += 1
+        return result
+
+    def close(self) -> None:
+        if self._joined and dist.is_initialized():
+            dist.destroy_process_group()
+        self._joined = False

@@ -1,0 +1,212 @@
+"""One rank of a NORMAL DP group: ``python -m pdinfer.distributed.dp_rank '<RankConfig JSON>'``.
+
+Each rank runs its own ``LLMEngine`` and step loop; the front (``dp_front``) starts the ranks,
+sends them requests and reads back their outputs over ZeroMQ.
+
+Lockstep. Every loop iteration starts with one MIN all-reduce of [group idle?, keep going?]:
+- if any rank has work, every rank calls ``engine.step()`` (whose scheduler votes on the step
+  type with its own collectives; a rank with nothing runs the companion empty step);
+- if no rank has work, every rank sleeps -- a back-off that doubles up to ``max_idle_sleep_ms``
+  and wakes early when the front sends something -- so an idle group burns no CPU;
+- if any rank was asked to stop (the front said so, or went silent), all stop at the same
+  iteration, so nobody is left waiting in a collective.
+A collective that fails (a peer died, or exceeded the group timeout) ends this process with an
+error report to the front, which restarts the group.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+import msgspec
+import zmq
+
+from pdinfer.distributed.messages import (
+    AbortRequest,
+    AddRequest,
+    OutputDelta,
+    OutputEncoder,
+    Ping,
+    RankConfig,
+    RankFailed,
+    RankReady,
+    RankStats,
+    StepReport,
+    StopRanks,
+    ToFront,
+    decode_to_rank,
+    encode,
+    engine_args_from_dict,
+)
+
+logger = logging.getLogger("pdinfer")
+
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """A rank must not outlive its launcher (no orphans holding memory and ports)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the front-silence timeout still applies
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class FrontChannel:
+    """This rank's DEALER socket to the front's ROUTER."""
+
+    def __init__(self, address: str, identity: bytes):
+        self._socket = zmq.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.IDENTITY, identity)
+        self._socket.setsockopt(zmq.LINGER, 2000)  # let a last failure report out
+        self._socket.connect(address)
+
+    def send(self, message: ToFront) -> None:
+        self._socket.send(encode(message))
+
+    def receive(self, timeout_ms: float) -> list:
+        messages = []
+        if self._socket.poll(max(0, int(timeout_ms))):
+            while True:
+                try:
+                    messages.append(decode_to_rank(self._socket.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+        return messages
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+class RankLoop:
+    def __init__(self, cfg: RankConfig, engine, group, channel: FrontChannel):
+        self.cfg, self.engine, self.group, self.channel = cfg, engine, group, channel
+        self.encoder = OutputEncoder()
+        self.stopping = False
+        self.last_front_message_s = time.monotonic()
+        self.last_report_s = 0.0
+        self.num_steps = 0
+
+    def run(self) -> None:
+        sleep_ms, idle_rounds = 0.0, 0
+        while True:
+            for message in self.channel.receive(sleep_ms):
+                self._apply(message)
+            if time.monotonic() - self.last_front_message_s > self.cfg.front_timeout_s and not self.stopping:
+                logger.error("the DP front has been silent for %.0f s: stopping", self.cfg.front_timeout_s)
+                self.stopping = True
+            busy = self.engine.has_unfinished_requests()
+            group_idle, keep_going = self.group.all_reduce_min([0 if busy else 1, 0 if self.stopping else 1])
+            if not keep_going:
+                return
+            if group_idle:
+                idle_rounds += 1
+                sleep_ms = min(self.cfg.max_idle_sleep_ms, 0.25 * 2 ** min(idle_rounds, 16))
+                self._report([])
+                continue
+            sleep_ms, idle_rounds = 0.0, 0
+            outputs = self.engine.step()
+            self.num_steps += 1
+            self._report([self.encoder.encode(o) for o in outputs])
+
+    def _apply(self, message) -> None:
+        self.last_front_message_s = time.monotonic()
+        if isinstance(message, AddRequest):
+            self._add(message)
+        elif isinstance(message, AbortRequest):
+            self.engine.abort_request(message.request_id)
+        elif isinstance(message, StopRanks):
+            self.stopping = True
+        elif not isinstance(message, Ping):
+            raise RuntimeError(f"unexpected message from the DP front: {message!r}")
+
+    def _add(self, message: AddRequest) -> None:
+        from pdinfer.sampling_params import SamplingParams
+
+        prompt = {"prompt": message.prompt, "prompt_token_ids": message.prompt_token_ids}
+        try:
+            self.engine.add_request(message.request_id, prompt, SamplingParams(**message.params))
+        except (ValueError, TypeError) as exc:  # the front validated; report it, keep serving
+            self._report([OutputDelta(message.request_id, True, str(exc), [])])
+
+    def _report(self, outputs: list[OutputDelta]) -> None:
+        now = time.monotonic()
+        if not outputs and now - self.last_report_s < HEARTBEAT_INTERVAL_S:
+            return
+        self.last_report_s = now
+        self.channel.send(StepReport(self.cfg.rank, self.cfg.generation, outputs, self.stats()))
+
+    def stats(self) -> RankStats:
+        sched, blocks = self.engine.scheduler, self.engine.block_manager
+        return RankStats(
+            num_waiting=len(sched.waiting), num_running=len(sched.running),
+            num_prompted=len(sched.prompted), num_requests=len(self.engine.requests),
+            waiting_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
+            running_kv_tokens=sum(s.num_computed_tokens for s in sched.running),
+            num_free_blocks=blocks.num_free_blocks, num_total_blocks=blocks.num_total_blocks,
+            num_prefix_hit_tokens=blocks.num_prefix_hits,
+            num_prefix_query_tokens=blocks.num_prefix_queries,
+            num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
+            num_allreduce=self.group.num_calls, allreduce_ns=self.group.total_ns)
+
+
+def run_rank(cfg: RankConfig) -> int:
+    from pdinfer.distributed.dp_group import TorchDPGroup
+    from pdinfer.engine.llm_engine import LLMEngine
+
+    identity = f"rank{cfg.rank}.gen{cfg.generation}".encode()
+    channel = FrontChannel(cfg.front_address, identity)
+    engine = group = None
+    try:
+        group = TorchDPGroup(cfg.rank, cfg.size, cfg.master_addr, cfg.master_port,
+                             generation=cfg.generation, backend=cfg.backend, timeout_s=cfg.timeout_s)
+        engine = LLMEngine(engine_args_from_dict(cfg.engine_args), dp_group=group)
+        group.join(cfg.startup_timeout_s)
+        channel.send(RankReady(cfg.rank, cfg.generation, os.getpid(), engine.num_blocks,
+                               engine.cache_config.block_size))
+        RankLoop(cfg, engine, group, channel).run()
+    except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
+        logger.error("DP rank %d failed: %s", cfg.rank, exc, exc_info=not _is_peer_failure(exc))
+        channel.send(RankFailed(cfg.rank, cfg.generation, f"{type(exc).__name__}: {exc}"))
+        channel.close()
+        return 1
+    engine.shutdown()
+    group.close()
+    channel.close()
+    return 0
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    from pdinfer.distributed.dp_group import DPGroupError
+
+    return isinstance(exc, DPGroupError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = msgspec.json.decode(argv[0], type=RankConfig)
+    die_with_parent(cfg.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front, which stops us
+    import pdinfer  # noqa: F401  (sets up the pdinfer logger)
+
+    for handler in logger.handlers:
+        handler.setFormatter(logging.Formatter(
+            f"%(asctime)s %(levelname)s pdinfer[dp{cfg.rank}]: %(message)s"))
+    return run_rank(cfg)
+
+
+if __name__ == "__main__":
+    code = main()
+    # Nothing is left to flush but the logs; a torch process's normal teardown takes seconds.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,373 @@
+"""The DP front's I/O thread: owns the sockets, the rank processes and the group's generations.
+
+Only this thread touches the ZeroMQ sockets and the launcher (rank processes die with the thread
+that spawned them, so it must be this long-lived one). Callers hand it commands through the
+front's queue and wake it through an inproc socket. Failures found while handling messages are
+recorded and acted on at the end of each round, never re-entrantly.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import zmq
+
+from pdinfer.distributed.dp_group import host_store
+from pdinfer.distributed.launcher import RankLauncher
+from pdinfer.distributed.messages import (
+    AbortRequest,
+    AddRequest,
+    AgentHello,
+    OutputDelta,
+    Ping,
+    RankConfig,
+    RankExited,
+    RankFailed,
+    RankReady,
+    RankStats,
+    StartGeneration,
+    StepReport,
+    StopRanks,
+    decode_to_front,
+    encode,
+    engine_args_to_dict,
+)
+from pdinfer.distributed.replica_lb import ReplicaLoadBalancer
+from pdinfer.distributed.tracked import TrackedRequest
+from pdinfer.serving.async_engine import EngineDeadError
+
+if TYPE_CHECKING:
+    from pdinfer.distributed.dp_front import DPFront
+
+logger = logging.getLogger("pdinfer")
+
+POLL_MS = 50
+PING_INTERVAL_S = 1.0
+
+
+@dataclass
+class _Rank:
+    last_seen_s: float
+    ready: bool = False
+    stats: RankStats = field(default_factory=RankStats)
+
+
+def _exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+class GroupSupervisor:
+    def __init__(self, front: DPFront):
+        self.front, self.options = front, front.options
+        self.size = front.size
+        self.generation = -1
+        self.ranks: list[_Rank] = []
+        self.is_ready = False
+        self.lb = ReplicaLoadBalancer(self.size)
+        self.pending: list[str] = []  # request ids waiting for the group, in arrival order
+        self.agents: set[bytes] = set()
+        self._failure: str | None = None
+        self._ever_ready = False
+        self._restarts: list[float] = []
+        self._stopping = False
+        self._last_ping_s = 0.0
+        self._started_s = 0.0
+        opts = self.options
+        self._store = host_store(opts.master_addr, opts.master_port)
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.SNDHWM, 0)
+        self._router.setsockopt(zmq.LINGER, 0)
+        host = "127.0.0.1" if opts.master_addr in ("127.0.0.1", "localhost") else "*"
+        port = opts.front_port or (opts.master_port + 1 if opts.master_port else 0)
+        if port:
+            self._router.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._router.bind_to_random_port(f"tcp://{host}")
+        self.front_address = f"tcp://{opts.master_addr}:{port}"
+        self._wake_addr = f"inproc://pdinfer-dp-wake-{id(self)}"
+        self._wake_recv = self._ctx.socket(zmq.PULL)
+        self._wake_recv.bind(self._wake_addr)
+        self._wake_send = self._ctx.socket(zmq.PUSH)
+        self._wake_send.connect(self._wake_addr)
+        self._wake_lock = threading.Lock()
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._wake_recv, zmq.POLLIN)
+        self.template = RankConfig(
+            rank=0, size=self.size, generation=0, master_addr=opts.master_addr,
+            master_port=self._store.port, front_address=self.front_address,
+            engine_args=engine_args_to_dict(front.engine_args), parent_pid=0,
+            backend=opts.backend, timeout_s=opts.timeout_s,
+            startup_timeout_s=opts.startup_timeout_s, front_timeout_s=opts.heartbeat_s,
+            max_idle_sleep_ms=opts.max_idle_sleep_ms)
+        num_local = opts.num_local_ranks or self.size
+        self.launcher = RankLauncher(range(num_local), self.template, front.engine_args.device)
+
+    # --- called from other threads ---------------------------------------------------------------
+    def wake(self) -> None:
+        with self._wake_lock:
+            if not self._wake_send.closed:
+                self._wake_send.send(b"", zmq.NOBLOCK)
+
+    def rank_stats(self) -> list[RankStats]:
+        return [r.stats for r in list(self.ranks)]
+
+    def rank_pids(self) -> list[int]:
+        return self.launcher.pids()
+
+    # --- the thread ----------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._start_generation()
+            while not self._stopping:
+                self._round()
+            self._stop_ranks()
+        except BaseException as exc:  # noqa: BLE001 - the front must not hang its callers
+            logger.exception("the DP front's I/O thread failed")
+            self._go_dead(f"the DP front's I/O thread failed: {exc!r}")
+        finally:
+            self.launcher.kill()
+            self._fail_all(self.front.error or EngineDeadError("the DP front was shut down"))
+            self.front.ready_event.set()
+            with self._wake_lock:
+                for sock in (self._router, self._wake_recv, self._wake_send):
+                    sock.close(0)
+            self._ctx.term()
+
+    def _round(self) -> None:
+        events = dict(self._poller.poll(POLL_MS))
+        if self._wake_recv in events:
+            while self._wake_recv.poll(0):
+                self._wake_recv.recv()
+        with self.front.lock:
+            if self._router in events:
+                self._read_ranks()
+            self._apply_commands()
+            self._watch(time.monotonic())
+
+    def _read_ranks(self) -> None:
+        while True:
+            try:
+                identity, payload = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            message = decode_to_front(payload)
+            if isinstance(message, AgentHello):
+                self._on_agent(identity, message)
+                continue
+            if message.generation != self.generation or not 0 <= message.rank < self.size:
+                continue  # from a generation that was already replaced
+            self.ranks[message.rank].last_seen_s = time.monotonic()
+            if isinstance(message, StepReport):
+                self.ranks[message.rank].stats = message.stats
+                for delta in message.outputs:
+                    self._on_output(message.rank, delta)
+            elif isinstance(message, RankReady):
+                self._on_ready(message)
+            elif isinstance(message, RankFailed):
+                self._fail_soon(f"DP rank {message.rank} failed: {message.error}")
+            elif isinstance(message, RankExited):
+                self._fail_soon(f"DP rank {message.rank} {_exit_reason(message.returncode)}")
+
+    def _apply_commands(self) -> None:
+        commands = list(self.front.commands)
+        self.front.commands.clear()
+        for command in commands:
+            if command[0] == "add":
+                self.pending.append(command[1])
+            elif command[0] == "abort":
+                self._abort(command[1])
+            else:
+                self._stopping = True
+        if self.is_ready and self.pending:
+            pending, self.pending = self.pending, []
+            for request_id in pending:
+                tracked = self.front.requests.get(request_id)
+                if tracked is not None and tracked.rank is None:
+                    self._dispatch(tracked)
+
+    def _watch(self, now: float) -> None:
+        for rank, generation, returncode in self.launcher.poll_exited():
+            if generation == self.generation:
+                self._fail_soon(f"DP rank {rank} {_exit_reason(returncode)}")
+        if self.is_ready:
+            for i, rank in enumerate(self.ranks):
+                if now - rank.last_seen_s > self.options.heartbeat_s:
+                    self._fail_soon(f"DP rank {i} sent nothing for {self.options.heartbeat_s:g} s")
+        elif now - self._started_s > self.options.startup_timeout_s:
+            self._fail_soon(f"the DP group did not start within {self.options.startup_timeout_s:g} s")
+        if now - self._last_ping_s >= PING_INTERVAL_S:  # ranks and agents stop if we go silent
+            self._last_ping_s = now
+            for i in range(self.size) if self.is_ready else ():
+                self._send(i, Ping(self.generation))
+            for agent in list(self.agents):
+                self._send_to(agent, Ping(self.generation))
+        if self._failure is not None and not self._stopping:
+            reason, self._failure = self._failure, None
+            self._restart(reason)
+
+    # --- requests ------------------------------------------------------------------------------
+    def _dispatch(self, tracked: TrackedRequest) -> None:
+        num_tokens = len(tracked.prompt_token_ids)
+        rank = tracked.dp_rank if tracked.dp_rank is not None else self.lb.choose(num_tokens)
+        self.lb.assign(tracked.request_id, rank, num_tokens)
+        tracked.rank = rank
+        tracked.num_attempts += 1
+        self._send(rank, AddRequest(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
+                                    tracked.params))
+
+    def _on_output(self, rank: int, delta: OutputDelta) -> None:
+        tracked = self.front.requests.get(delta.request_id)
+        if tracked is None or tracked.rank != rank:
+            return
+        tracked.decoder.apply(delta)
+        now = time.monotonic()
+        num_tokens = tracked.decoder.num_output_tokens
+        if num_tokens and tracked.first_token_s is None:
+            tracked.first_token_s = now
+        if delta.finished:
+            self.lb.release(delta.request_id)
+            del self.front.requests[delta.request_id]
+        elif num_tokens:
+            self.lb.progress(delta.request_id, num_tokens)
+        if delta.finished or not tracked.final_only:
+            self._deliver(tracked, tracked.output(delta.finished, delta.error,
+                                                  delta.num_cached_tokens, now))
+
+    def _abort(self, request_id: str) -> None:
+        tracked = self.front.requests.get(request_id)
+        if tracked is None:
+            return
+        if tracked.rank is not None:
+            self._send(tracked.rank, AbortRequest(request_id))  # its final output comes back
+            return
+        del self.front.requests[request_id]
+        self._deliver(tracked, tracked.output(True, "aborted", 0, time.monotonic()))
+
+    def _deliver(self, tracked: TrackedRequest, item) -> None:
+        try:
+            tracked.sink(item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody listens any more
+            if tracked.request_id in self.front.requests:
+                self._abort(tracked.request_id)
+            return
+        tracked.num_delivered += 1
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self.front.lock:
+            requests = list(self.front.requests.values())
+            self.front.requests.clear()
+        for tracked in requests:
+            try:
+                tracked.sink(EngineDeadError(str(error)))
+            except RuntimeError:
+                pass
+
+    # --- the group -----------------------------------------------------------------------------
+    def _send(self, rank: int, message) -> None:
+        self._send_to(f"rank{rank}.gen{self.generation}".encode(), message, rank)
+
+    def _send_to(self, identity: bytes, message, rank: int | None = None) -> None:
+        try:
+            self._router.send_multipart([identity, encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: that peer is gone
+            if rank is not None:
+                self._fail_soon(f"DP rank {rank} is unreachable ({exc})")
+            else:
+                self.agents.discard(identity)
+
+    def _fail_soon(self, reason: str) -> None:
+        if self._failure is None:
+            self._failure = reason
+
+    def _start_generation(self) -> None:
+        self.generation += 1
+        now = time.monotonic()
+        self.ranks = [_Rank(last_seen_s=now) for _ in range(self.size)]
+        self.is_ready = False
+        self._started_s = now
+        self.launcher.start(self.generation)
+        for agent in self.agents:
+            self._send_to(agent, StartGeneration(self.generation, self.template))
+
+    def _on_ready(self, message: RankReady) -> None:
+        self.ranks[message.rank].ready = True
+        self.lb.set_capacity(message.rank, message.num_total_blocks * message.block_size)
+        if all(r.ready for r in self.ranks):
+            logger.info("DP group of %d ranks ready (generation %d) after %.1f s", self.size,
+                        self.generation, time.monotonic() - self._started_s)
+            self.is_ready = self._ever_ready = True
+            self.front.ready_event.set()
+
+    def _on_agent(self, identity: bytes, hello: AgentHello) -> None:
+        logger.info("DP agent for ranks %d..%d connected", hello.rank_offset,
+                    hello.rank_offset + hello.num_local_ranks - 1)
+        self.agents.add(identity)
+        if self.generation >= 0:
+            self._send_to(identity, StartGeneration(self.generation, self.template))
+
+    def _restart(self, reason: str) -> None:
+        """Tear the failed generation down, settle its requests, start the next one."""
+        logger.error("DP group generation %d failed: %s", self.generation, reason)
+        self.launcher.kill()
+        self.is_ready = False
+        self.front.ready_event.clear()
+        self.lb.reset()
+        now = time.monotonic()
+        retry = []
+        for tracked in list(self.front.requests.values()):
+            if tracked.rank is None:
+                continue
+            if tracked.num_delivered == 0 and tracked.num_attempts < self.options.max_attempts:
+                tracked.restart()
+                retry.append(tracked)
+                continue
+            why = ("it had streamed output already, so it was not retried" if tracked.num_delivered
+                   else f"it failed on {tracked.num_attempts} attempts")
+            del self.front.requests[tracked.request_id]
+            self._deliver(tracked, tracked.error_output(
+                f"the DP group failed while this request ran on rank {tracked.rank} ({reason}); "
+                f"{why}", now))
+        retry.sort(key=lambda t: t.arrival_s)
+        self.pending = [t.request_id for t in retry] + self.pending
+        self._restarts = [t for t in self._restarts if now - t < self.options.restart_window_s]
+        if not self._ever_ready:
+            return self._go_dead(f"the DP group failed to start: {reason}")
+        if len(self._restarts) >= self.options.max_restarts:
+            return self._go_dead(f"the DP group failed {len(self._restarts) + 1} times within "
+                                 f"{self.options.restart_window_s:g} s; last: {reason}")
+        self._restarts.append(now)
+        logger.warning("restarting the DP group (%d requests queued again)", len(retry))
+        self._start_generation()
+
+    def _go_dead(self, reason: str) -> None:
+        from pdinfer.distributed.dp_group import DPGroupError
+
+        logger.error("the DP front gives up: %s", reason)
+        self.front.error = DPGroupError(reason)
+        self.is_ready = False
+        self._stopping = True
+        self.launcher.kill()
+        self.front.ready_event.set()
+
+    def _stop_ranks(self) -> None:
+        """Ask every rank to stop (they stop together at their next collective), then reap."""
+        for i in range(self.size):
+            if self.ranks and self.ranks[i].ready:
+                self._send(i, StopRanks())
+        for agent in self.agents:
+            self._send_to(agent, StopRanks())
+        if not self.launcher.wait(10.0):
+            logger.warning("DP ranks did not stop within 10 s: killing them")
