@@ -19,7 +19,6 @@ Prints a table last; writes the log and a JSON of every figure to ``--out`` (def
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -33,47 +32,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_micro import (  # noqa: E402
+    FIG,
+    NEW_TOKENS,
+    PROMPT_LEN,
+    ROWS,
+    free_memory,
+    kv_staging,
+    log,
+    micro,
+    role_profiles,
+    row,
+    timed,
+)
 from pdinfer import LLM, SamplingParams  # noqa: E402
-from pdinfer.layers.attention import triton_paged as tp  # noqa: E402
 from pdinfer.models.presets import PRESETS  # noqa: E402
 from pdinfer.worker.cache_engine import CacheEngine  # noqa: E402
 from pdinfer.worker.step_input import SampleSpec, StepInput  # noqa: E402
 
-FIG: dict[str, object] = {}  # every figure, for the JSON
-ROWS: list[tuple[str, str, str, str]] = []  # the table: what, measured, reference, fraction
 SEED = 1234
-PROMPT_LEN, NEW_TOKENS = 576, 128  # mean decode context 640
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def row(what: str, measured: str, reference: str = "", fraction: str = "") -> None:
-    ROWS.append((what, measured, reference, fraction))
-    log(f"  {what}: {measured} {reference} {fraction}")
-
-
-def timed(fn, repeats: int = 10, warmup: int = 3) -> float:
-    """Median seconds of ``fn`` on the device (events)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def free_memory() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 # --- 1. ceilings -----------------------------------------------------------------------------
 def ceilings() -> None:
     bufs = [torch.randint(0, 255, (4 << 30,), dtype=torch.uint8, device="cuda")]
@@ -147,33 +124,80 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     return out
 
 
-def correctness(name: str, hf, llm: LLM) -> None:
-    vocab = hf.config.vocab_size
-    errs = []
-    for ids in random_prompts([17, 129, 300, 1000], vocab, seed=7):
-        with torch.inference_mode():
-            ref = hf(input_ids=torch.tensor([ids], device="cuda"), logits_to_keep=1).logits[0, -1].float()
-        for chunks in (1, 2):
-            ours = pdinfer_last_logits(llm, ids, chunks)
-            errs.append(((ours - ref).norm() / ref.norm()).item())
-    FIG[f"{name}_logit_rel_err"] = errs
-    row(f"{name} prefill logits rel. err (max of 8)", f"{max(errs):.2e}", "< 2e-2",
-        "PASS" if max(errs) < 2e-2 else "FAIL")
-    lengths = [5, 17, 64, 100, 129, 200, 255, 300, 31, 47, 500, 777, 1000, 12, 1500, 90]
-    prompts = random_prompts(lengths, vocab, seed=8)
+LOGIT_LENGTHS = [17, 129, 300, 1000]
+GREEDY_LENGTHS = [5, 17, 64, 100, 129, 200, 255, 300, 31, 47, 500, 777, 1000, 12, 1500, 90]
+
+
+def correctness_prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    greedy = random_prompts(GREEDY_LENGTHS, vocab, seed=8)
     for i in (1, 5, 9):  # share a 128-token prefix with prompt 7 (prefix-cache hits)
-        prompts[i] = prompts[7][:128] + prompts[i]
+        greedy[i] = greedy[7][:128] + greedy[i]
+    return random_prompts(LOGIT_LENGTHS, vocab, seed=7), greedy
+
+
+def hf_outputs(hf, logit_prompts, greedy_prompts) -> dict:
+    logits = []
+    with torch.inference_mode():
+        for ids in logit_prompts:
+            out = hf(input_ids=torch.tensor([ids], device="cuda"), logits_to_keep=1)
+            logits.append([out.logits[0, -1].float()])
+    return {"logits": logits, "greedy": [hf_greedy(hf, p, 32) for p in greedy_prompts]}
+
+
+def pdinfer_outputs(llm: LLM, logit_prompts, greedy_prompts) -> dict:
+    logits = [[pdinfer_last_logits(llm, ids, chunks) for chunks in (1, 2)] for ids in logit_prompts]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                          params, use_tqdm=False)]
-    theirs = [hf_greedy(hf, p, 32) for p in prompts]
-    agree = sum(a == b for a, b in zip(ours, theirs))
-    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(ours, theirs)]
-    FIG[f"{name}_greedy"] = {"agree": agree, "of": len(prompts), "first_diff": first_diff,
-                             "distinct_tokens": [len(set(t)) for t in theirs]}
-    row(f"{name} greedy 32 tokens, prompts fully agreeing", f"{agree}/{len(prompts)}", ">= 90%",
-        "PASS" if agree >= 0.9 * len(prompts) else "FAIL")
-    log(f"  first differing position per prompt: {first_diff}")
+    outs = llm.generate([{"prompt_token_ids": p} for p in greedy_prompts], params, use_tqdm=False)
+    return {"logits": logits, "greedy": [o.outputs[0].token_ids for o in outs]}
+
+
+def compare(label: str, ours: dict, ref: dict, gate: bool) -> None:
+    """Logit relative error (max over prompts, whole and chunked prefill) and greedy agreement;
+    with ``gate`` the brief's criteria (< 2e-2; >= 90% of prompts fully agree) decide PASS."""
+    errs = [((o - r[0]).norm() / r[0].norm()).item()
+            for os_, r in zip(ours["logits"], ref["logits"]) for o in os_]
+    pairs = list(zip(ours["greedy"], ref["greedy"]))
+    agree = sum(a == b for a, b in pairs)
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in pairs]
+    FIG[label] = {"logit_rel_err": errs, "agree": agree, "of": len(pairs), "first_diff": first,
+                  "distinct_ref_tokens": [len(set(b)) for _, b in pairs]}
+    ok = max(errs) < 2e-2 and agree >= 0.9 * len(pairs)
+    verdict = ("PASS" if ok else "FAIL") if gate else "(reference)"
+    row(label, f"logits {max(errs):.1e}, greedy {agree}/{len(pairs)}", "< 2e-2, >= 90%", verdict)
+    log(f"    first differing position per prompt: {first}")
+
+
+def upcast(hf16):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("cuda"):
+        hf32 = AutoModelForCausalLM.from_config(hf16.config, dtype=torch.float32)
+    hf32.load_state_dict(hf16.state_dict())  # the bf16 weights, exactly, in float32
+    return hf32.eval()
+
+
+def correctness(preset: str, name: str, via_folder: bool, engine_kwargs: dict):
+    """fp32 (the implementation, exactly) and bf16 (what runs) against transformers on the same
+    weights. Returns the bf16 transformers model and pdinfer engine for the speed section."""
+    hf16 = hf_model(preset)
+    logit_prompts, greedy_prompts = correctness_prompts(hf16.config.vocab_size)
+    hf32 = upcast(hf16)
+    ref32 = hf_outputs(hf32, logit_prompts, greedy_prompts)
+    ref16 = hf_outputs(hf16, logit_prompts, greedy_prompts)
+    compare(f"{name} transformers bf16 vs transformers fp32", ref16, ref32, gate=False)
+    pd32 = pdinfer_like(hf32, preset, via_folder=False, dtype="float32", num_kv_blocks=1024,
+                        max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=16)
+    out32 = pdinfer_outputs(pd32, logit_prompts, greedy_prompts)
+    pd32.engine.shutdown()
+    del pd32, hf32
+    free_memory()
+    compare(f"{name} pdinfer fp32 vs transformers fp32", out32, ref32, gate=True)
+    pd16 = pdinfer_like(hf16, preset, via_folder, **engine_kwargs)
+    FIG[f"{name}_num_blocks"] = pd16.engine.num_blocks
+    out16 = pdinfer_outputs(pd16, logit_prompts, greedy_prompts)
+    compare(f"{name} pdinfer bf16 vs transformers bf16", out16, ref16, gate=True)
+    compare(f"{name} pdinfer bf16 vs transformers fp32", out16, ref32, gate=False)
+    return hf16, pd16
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -325,117 +349,25 @@ def speed(llm: LLM, hf) -> None:
             f"{rate / 1e12:.0f} TFLOP/s", f"{rate / FIG['matmul_rate']:.0%} of matmul")
 
 
-# --- 4. micro: kernel variants and a per-kernel profile ------------------------------------------
-def micro(llm: LLM) -> None:
-    runner = llm.engine.model_runner
-    spec, bs = runner.spec, runner.cache.block_size
-    batch, ctx = 64, PROMPT_LEN + 64
-    per_seq = -(-ctx // bs)
-    cache = CacheEngine(spec, batch * per_seq, bs, runner.dtype, runner.device)
-    cache.kv.normal_()
-    perm = torch.randperm(batch * per_seq, device="cuda").view(batch, per_seq)
-    layer = cache.kv[:, 0]
-    q = torch.randn(batch, spec.num_heads, spec.head_dim, device="cuda", dtype=runner.dtype)
-    ctx_t = torch.full((batch,), ctx, device="cuda", dtype=torch.int64)
-    kv_bytes = batch * ctx * spec.num_kv_heads * spec.head_dim * 2 * 2
-    default = dict(tp.DECODE_CONFIG)
-    variants = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3), (128, 8, 3)]
-    for block_n, warps, stages in variants:
-        tp.DECODE_CONFIG.update(block_n=block_n, num_warps=warps, num_stages=stages)
-        for splits in (1, 2, 4):
-            t = timed(lambda s=splits: tp.decode_attention(q, layer, perm, ctx_t, spec.head_dim**-0.5, s))
-            FIG[f"micro_decode_{block_n}_{warps}_{stages}_{splits}"] = kv_bytes / t
-            log(f"  decode attn B={batch} ctx={ctx} n={block_n} w={warps} st={stages} splits={splits}: "
-                f"{t * 1e6:.1f} us, {kv_bytes / t / 1e12:.2f} TB/s")
-    tp.DECODE_CONFIG.update(default)
-    _micro_prefill(runner, cache)
-    _profile_decode_step(llm, cache, perm, ctx)
-
-
-def _micro_prefill(runner, cache: CacheEngine) -> None:
-    spec, bs = runner.spec, cache.block_size
-    n, length = 4, 2048
-    nb = length // bs
-    meta = tp.GpuAttentionMetadata(
-        False, torch.zeros(0, dtype=torch.int64, device="cuda"),
-        torch.arange(n * nb, device="cuda").view(n, nb), torch.full((n,), length, device="cuda"),
-        query_start=torch.arange(0, n * length + 1, length, device="cuda"),
-        work_seq=torch.arange(n, device="cuda").repeat_interleave(length // tp.PREFILL_BLOCK_M),
-        work_tile=torch.arange(length // tp.PREFILL_BLOCK_M, device="cuda").repeat(n),
-        num_work=n * length // tp.PREFILL_BLOCK_M)
-    q = torch.randn(n * length, spec.num_heads, spec.head_dim, device="cuda", dtype=runner.dtype)
-    flops = 4 * spec.num_heads * spec.head_dim * n * length**2 / 2
-    default = dict(tp.PREFILL_CONFIG)
-    for block_n, warps, stages in [(64, 8, 2), (64, 8, 3), (128, 8, 2), (64, 4, 2), (32, 4, 3)]:
-        tp.PREFILL_CONFIG.update(block_n=block_n, num_warps=warps, num_stages=stages)
-        t = timed(lambda: tp.prefill_attention(q, cache.kv[:, 0], meta, spec.head_dim**-0.5), repeats=5)
-        FIG[f"micro_prefill_{block_n}_{warps}_{stages}"] = flops / t
-        log(f"  prefill attn {n}x{length} n={block_n} w={warps} st={stages}: {t * 1e3:.2f} ms, "
-            f"{flops / t / 1e12:.0f} TFLOP/s")
-    tp.PREFILL_CONFIG.update(default)
-    qs = q.view(n, length, spec.num_heads, spec.head_dim).transpose(1, 2)
-    ks = torch.randn(n, spec.num_kv_heads, length, spec.head_dim, device="cuda", dtype=runner.dtype)
-    t = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, ks, is_causal=True,
-                                                                      enable_gqa=True), repeats=5)
-    FIG["micro_prefill_sdpa"] = flops / t
-    log(f"  torch sdpa (contiguous, causal) {n}x{length}: {t * 1e3:.2f} ms, {flops / t / 1e12:.0f} TFLOP/s")
-
-
-def _profile_decode_step(llm: LLM, cache: CacheEngine, tables: torch.Tensor, ctx: int) -> None:
-    runner = llm.engine.model_runner
-    batch = tables.shape[0]
-    rows = tables.tolist()
-    inp = StepInput(step_id=-1, is_prompt=False, input_ids=[1] * batch, positions=[ctx - 1] * batch,
-                    query_lens=[1] * batch, context_lens=[ctx] * batch, block_tables=rows,
-                    samples=[SampleSpec(i, 0.0, 0, 1.0, 0.0, 0, ctx) for i in range(batch)])
-    step = runner.gpu.builder.build(inp)
-
-    def forward():
-        with torch.inference_mode():
-            hidden = runner.model(step.input_ids, step.positions, cache.kv, step.meta)
-            runner.model.compute_logits(hidden)
-
-    eager_ms = 1e3 * timed(forward, repeats=5)
-    log(f"  eager decode step B={batch} ctx={ctx}: {eager_ms:.2f} ms")
-    FIG["eager_decode_64_ms"] = eager_ms
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        forward()
-        torch.cuda.synchronize()
-    log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
-
-
-def role_profiles() -> None:
-    """KV blocks a PROMPT and a COMPLETION engine get on the same device (measured peaks)."""
-    from pdinfer import EngineArgs, LLMEngine
-
-    for role in ("prompt", "completion"):
-        engine = LLMEngine(EngineArgs(model="preset:llama-3.2-1b", load_format="dummy", engine_type=role,
-                                      gpu_memory_utilization=0.5, max_model_len=8192,
-                                      max_num_batched_tokens=8192, max_num_seqs=256))
-        FIG[f"blocks_{role}"] = engine.num_blocks
-        row(f"1B KV blocks, {role} role (util 0.5)", str(engine.num_blocks))
-        engine.shutdown()
-        del engine
-        free_memory()
-
-
 # --- main ----------------------------------------------------------------------------------
-def run_section(name: str, fn, *args) -> None:
+def run_section(name: str, fn, *args):
     log(f"\n== {name} ==")
     start = time.perf_counter()
     try:
-        fn(*args)
+        return fn(*args)
     except Exception:  # noqa: BLE001 - one failed section must not lose the others' figures
         log(traceback.format_exc())
         FIG.setdefault("errors", []).append(name)
         row(name, "ERROR (see log)")
-    log(f"   ({name}: {time.perf_counter() - start:.1f} s)")
+        return None
+    finally:
+        log(f"   ({name}: {time.perf_counter() - start:.1f} s)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out/gpu"))
-    parser.add_argument("--skip", default="", help="comma list of: 1b, hf, micro, speed")
+    parser.add_argument("--skip", default="", help="comma list of: 1b, hf, micro, speed, roles")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     out = Path(args.out)
@@ -444,23 +376,23 @@ def main() -> None:
     engine_kwargs = dict(max_model_len=8192, max_num_seqs=256, max_num_batched_tokens=8192)
     run_section("ceilings", ceilings)
     if "1b" not in skip:
-        hf = hf_model("llama-3.2-1b")
-        llm = pdinfer_like(hf, "llama-3.2-1b", via_folder=True, **engine_kwargs)
-        FIG["1B_num_blocks"] = llm.engine.num_blocks
-        run_section("correctness 1B", correctness, "1B", hf, llm)
-        llm.engine.shutdown()
-        del hf, llm
+        models = run_section("correctness 1B", correctness, "llama-3.2-1b", "1B", True, engine_kwargs)
+        if models:
+            models[1].engine.shutdown()
+        del models
         free_memory()
+    if "roles" not in skip:
         run_section("role profiles", role_profiles)
-    hf = hf_model("llama-3.1-8b")
-    llm = pdinfer_like(hf, "llama-3.1-8b", via_folder=False, gpu_memory_utilization=0.5, **engine_kwargs)
-    run_section("correctness 8B", correctness, "8B", hf, llm)
-    if "speed" not in skip:
+    hf, llm = run_section("correctness 8B", correctness, "llama-3.1-8b", "8B", False,
+                          dict(engine_kwargs, gpu_memory_utilization=0.5)) or (None, None)
+    if llm is not None and "speed" not in skip:
         run_section("speed 8B", speed, llm, None if "hf" in skip else hf)
-    if "micro" not in skip:
-        del hf
-        free_memory()
+    del hf
+    free_memory()
+    if llm is not None and "micro" not in skip:
         run_section("micro", micro, llm)
+    if llm is not None:
+        run_section("KV staging", kv_staging, llm)
     (out / "gpu_suite.json").write_text(json.dumps(FIG, indent=1, default=str))
     log("\n" + format_table())
 

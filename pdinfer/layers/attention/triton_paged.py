@@ -92,7 +92,7 @@ if HAS_TRITON:
                        stride_bt, stride_ot, stride_oh, qk_scale,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                        D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr):
+                       NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -121,14 +121,14 @@ if HAS_TRITON:
             off = blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct
             kv_mask = pmask[:, None] & dmask[None, :]
             k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             s = tl.where(pmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.math.exp2(m_i - m_new)
             p = tl.math.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(k_base + stride_ckv + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         omask = gmask[:, None] & dmask[None, :]
         if NUM_SPLITS == 1:
@@ -165,7 +165,7 @@ if HAS_TRITON:
     @triton.jit
     def _prefill_tile(q, acc, m_i, l_i, k_base, v_base, bt_row, lo, hi, q_pos, ctx, d, dmask,
                       stride_cb, stride_ct, qk_scale, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                      BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
         n = tl.arange(0, BLOCK_N)
         for n0 in range(lo, hi, BLOCK_N):
             pos = n0 + n
@@ -173,7 +173,7 @@ if HAS_TRITON:
             off = blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct
             kv_mask = (pos < ctx)[:, None] & dmask[None, :]
             k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             if MASKED:
                 s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -181,7 +181,7 @@ if HAS_TRITON:
             p = tl.math.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         return acc, m_i, l_i
 
@@ -190,7 +190,8 @@ if HAS_TRITON:
                         out_ptr, stride_qt, stride_qh, stride_cb, stride_ckv, stride_ct, stride_ch,
                         stride_bt, stride_ot, stride_oh, qk_scale,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr):
         w = tl.program_id(0)
         h = tl.program_id(1)
         seq = tl.load(work_seq_ptr + w)
@@ -220,13 +221,18 @@ if HAS_TRITON:
         hi = tl.minimum(ctx, first_q + BLOCK_M)
         acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_base, v_base, bt_row, 0, unmasked_end,
                                       q_pos, ctx, d, dmask, stride_cb, stride_ct, qk_scale,
-                                      BLOCK_SIZE, BLOCK_N, False)
+                                      BLOCK_SIZE, BLOCK_N, False, PRECISION)
         acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_base, v_base, bt_row, unmasked_end, hi,
                                       q_pos, ctx, d, dmask, stride_cb, stride_ct, qk_scale,
-                                      BLOCK_SIZE, BLOCK_N, True)
+                                      BLOCK_SIZE, BLOCK_N, True, PRECISION)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+def _precision(q: torch.Tensor) -> str:
+    # float32 models get exact float32 dots (Triton's default for them is tf32)
+    return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -266,8 +272,8 @@ def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: t
         q.stride(0), q.stride(1), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=dim, D_PAD=d_pad,
-        BLOCK_SIZE=c.shape[2], BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        BLOCK_SIZE=c.shape[2], BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if num_splits > 1:
         _decode_merge_kernel[(b, h)](part_acc, part_ml, out, out.stride(0), out.stride(1), h,
                                      HEAD_DIM=dim, D_PAD=d_pad, NUM_SPLITS=num_splits, num_warps=4)
@@ -293,7 +299,7 @@ def prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: GpuAtten
         q.stride(0), q.stride(1), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
         bt.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
         GROUP=group, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=c.shape[2], BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=cfg["block_n"], num_warps=warps, num_stages=cfg["num_stages"])
+        BLOCK_N=cfg["block_n"], PRECISION=_precision(q), num_warps=warps, num_stages=cfg["num_stages"])
     return out
 
 
