@@ -367,7 +367,7 @@ def run_section(name: str, fn, *args):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out/gpu"))
-    parser.add_argument("--skip", default="", help="comma list of: 1b, hf, micro, speed, roles")
+    parser.add_argument("--skip", default="", help="comma list of: 1b, correct, hf, micro, speed, roles")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     out = Path(args.out)
@@ -383,10 +383,14 @@ def main() -> None:
         free_memory()
     if "roles" not in skip:
         run_section("role profiles", role_profiles)
-    hf, llm = run_section("correctness 8B", correctness, "llama-3.1-8b", "8B", False,
-                          dict(engine_kwargs, gpu_memory_utilization=0.5)) or (None, None)
+    if "correct" in skip:  # speed only: dummy weights, no transformers model
+        hf, llm = None, LLM(model="preset:llama-3.1-8b", load_format="dummy",
+                            gpu_memory_utilization=0.5, **engine_kwargs)
+    else:
+        hf, llm = run_section("correctness 8B", correctness, "llama-3.1-8b", "8B", False,
+                              dict(engine_kwargs, gpu_memory_utilization=0.5)) or (None, None)
     if llm is not None and "speed" not in skip:
-        run_section("speed 8B", speed, llm, None if "hf" in skip else hf)
+        run_section("speed 8B", speed, llm, None if "hf" in skip or hf is None else hf)
     del hf
     free_memory()
     if llm is not None and "micro" not in skip:

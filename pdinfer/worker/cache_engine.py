@@ -70,17 +70,21 @@ class CacheEngine:
         return tuple(self.kv.shape[1:])
 
     # --- pinned-host staging for the KV hand-off (asynchronous on CUDA) -------------------------
-    def read_blocks_async(self, block_ids: list[int]) -> tuple[torch.Tensor, CopyEvent]:
+    def read_blocks_async(self, block_ids: list[int],
+                          out: torch.Tensor | None = None) -> tuple[torch.Tensor, CopyEvent]:
         """Copy blocks to host memory without blocking: ``(host [n, *block_shape], event)``.
 
         On CUDA the host tensor is pinned and filled on a side stream that first waits for the
         work already queued (the steps that wrote these blocks); it is valid once
         ``event.synchronize()`` returns. Block-major: each run of consecutive block ids is one
-        device-to-host copy, with no device-side gather buffer. On CPU: a copy, already done.
+        device-to-host copy, with no device-side gather buffer. ``out``: a pinned buffer to fill
+        (reuse one: pinning fresh host memory costs far more than the copy). On CPU: a copy,
+        already done.
         """
         if self.device.type != "cuda":
             return self.read_blocks(block_ids), CopyEvent(None)
-        host = torch.empty((len(block_ids), *self.block_shape), dtype=self.dtype, pin_memory=True)
+        host = out[: len(block_ids)] if out is not None else torch.empty(
+            (len(block_ids), *self.block_shape), dtype=self.dtype, pin_memory=True)
         stream = self._copy_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -47,18 +47,19 @@ class GpuAttentionMetadata:
 PREFILL_BLOCK_M = 128  # query rows per prefill program; the metadata builder tiles with it
 # Launch settings (benchmarks/gpu_suite.py times alternatives; change them only with a measurement).
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
-PREFILL_CONFIG = {"block_n": 64, "num_warps": 8, "num_stages": 2}
+PREFILL_CONFIG = {"block_n": 128, "num_warps": 8, "num_stages": 2}
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int | None = None,
                       num_sms: int = 132) -> int:
-    """Splits per sequence so that a decode launch has a few programs per multiprocessor.
+    """Splits per sequence so that a decode launch has about two programs per multiprocessor
+    (measured on the H200, batch 64 x 8 KV heads: one split 45 us, two 50 us, four 53 us).
 
     Depends on the batch (and, outside CUDA graphs, on the longest context: a short context is
     not worth splitting).
     """
     programs = max(1, batch * num_kv_heads)
-    splits = min(32, next_pow2(-(-4 * num_sms // programs)))
+    splits = min(32, next_pow2(-(-2 * num_sms // programs)))
     if max_context is not None:
         splits = min(splits, next_pow2(max(1, -(-max_context // 256))))
     return max(1, splits)
