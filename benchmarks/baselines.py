@@ -263,7 +263,7 @@ def run_llamacpp(
 # ----------------------------------------------------------------------------------- CLI
 
 TABLE_HEADERS = ["backend", "num_prompts", "batch_size", "output_tokens", "total_s"]
-TABLE_HEADERS += ["output_tok_s", "bs1_decode_tok_s", "prefill_tok_s"]
+TABLE_HEADERS += ["output_tok_s", "bs1_decode_tok_s", "prefill_tok_s", "other_cpu_frac"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -273,17 +273,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16, help="transformers only")
     parser.add_argument("--gguf", default=None, help="GGUF file (default: SmolLM2-135M Q4_1)")
+    parser.add_argument("--wait-idle", type=float, default=0, help="minutes to wait for idle CPU")
     args = parser.parse_args(argv)
 
     gguf_path = args.gguf or workload.default_gguf_path()
     prompts = workload.make_prompts(workload.load_tokenizer(gguf_path), n=args.num_prompts)
+    runners = {
+        "transformers": lambda: run_transformers(
+            prompts, args.max_new_tokens, args.batch_size, gguf_path=gguf_path
+        ),
+        "llamacpp": lambda: run_llamacpp(prompts, args.max_new_tokens, gguf_path=gguf_path),
+    }
     results = []
-    if args.only in (None, "transformers"):
-        results.append(
-            run_transformers(prompts, args.max_new_tokens, args.batch_size, gguf_path=gguf_path)
-        )
-    if args.only in (None, "llamacpp"):
-        results.append(run_llamacpp(prompts, args.max_new_tokens, gguf_path=gguf_path))
+    for name, run in runners.items():
+        if args.only not in (None, name):
+            continue
+        if args.wait_idle > 0 and not workload.wait_for_idle_cpu(args.wait_idle * 60):
+            print("[baselines] machine never went idle; figures below are contended")
+        with workload.OtherCpuLoad() as load:
+            res = run()
+        results.append({**res, "other_cpu_frac": load.fraction, "date": time.ctime()})
 
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     for res in results:  # raw figures, for RESULTS.md and later comparison

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import random
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -124,6 +125,50 @@ def make_prompts(
     return [
         make_prompt(tokenizer, length, seed * 1_000_003 + i) for i, length in enumerate(lengths)
     ]
+
+
+def _machine_cpu_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, summed over cores."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - ticks[3] - ticks[4]) / hz, sum(ticks) / hz
+
+
+class OtherCpuLoad:
+    """Context manager measuring the share of machine CPU used by *other* processes.
+
+    On a shared 2-core box a neighbour's job can slow a run by 10x or more, so every
+    result records this share (`.fraction`, 0..1) to show whether it is trustworthy.
+    """
+
+    def __enter__(self):
+        self._busy, self._total = _machine_cpu_seconds()
+        self._own = time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        busy, total = _machine_cpu_seconds()
+        others = (busy - self._busy) - (time.process_time() - self._own)
+        self.fraction = max(0.0, others / max(total - self._total, 1e-9))
+
+
+def wait_for_idle_cpu(timeout_s: float, max_busy: float = 0.10, windows: int = 3) -> bool:
+    """Wait until the machine is nearly idle for `windows` consecutive 10 s windows.
+
+    Returns False if `timeout_s` passes first (the caller then runs anyway).
+    """
+    deadline, streak = time.monotonic() + timeout_s, 0
+    while streak < windows:
+        if time.monotonic() > deadline:
+            return False
+        busy0, total0 = _machine_cpu_seconds()
+        time.sleep(10)
+        busy1, total1 = _machine_cpu_seconds()
+        frac = (busy1 - busy0) / max(total1 - total0, 1e-9)
+        streak = streak + 1 if frac <= max_busy else 0
+        print(f"[workload] machine CPU busy {frac:.0%} (idle windows {streak}/{windows})")
+    return True
 
 
 def _fmt(value) -> str:
