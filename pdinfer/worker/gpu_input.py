@@ -114,14 +114,7 @@ class GpuInputBuilder:
         ctx_pad[:num_seqs] = ctx
         i_ids, i_pos, i_slots, i_bt, i_ctx = (p.add(ids), p.add(pos), p.add(slots), p.add(tables),
                                               p.add(ctx_pad))
-        prefill = None
-        if not is_decode:
-            tiles = -(-qlens // PREFILL_BLOCK_M)
-            work_seq = np.repeat(np.arange(num_seqs), tiles)
-            starts = np.concatenate(([0], np.cumsum(tiles)[:-1])) if num_seqs else np.zeros(0, np.int64)
-            work_tile = np.arange(work_seq.size) - np.repeat(starts, tiles)
-            qstart = np.concatenate(([0], np.cumsum(qlens)))
-            prefill = (p.add(qstart), p.add(work_seq), p.add(work_tile), work_seq.size)
+        prefill = None if is_decode else _pack_prefill_tiles(p, qlens)
 
         sample_rows = [s.row for s in inp.samples]
         identity = sample_rows == list(range(len(sample_rows)))
@@ -226,6 +219,17 @@ class GpuInputBuilder:
                 step_id, index = pending_of_row[spec.row]
                 out.append((step_id, i, len(spec.output_tokens) - 1, index))
         return out
+
+
+def _pack_prefill_tiles(p: _Packer, qlens: np.ndarray) -> tuple[int, int, int, int]:
+    """Prefill grid: (query_start, work_seq, work_tile) indices in the packer, and the tile count."""
+    n = qlens.size
+    tiles = -(-qlens // PREFILL_BLOCK_M)
+    work_seq = np.repeat(np.arange(n), tiles)
+    starts = np.concatenate(([0], np.cumsum(tiles)[:-1])) if n else np.zeros(0, np.int64)
+    work_tile = np.arange(work_seq.size) - np.repeat(starts, tiles)
+    qstart = np.concatenate(([0], np.cumsum(qlens)))
+    return p.add(qstart), p.add(work_seq), p.add(work_tile), work_seq.size
 
 
 def _block_table_array(tables: list[list[int]], rows: int) -> np.ndarray:
