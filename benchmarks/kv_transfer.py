@@ -1,12 +1,16 @@
 """KV hand-off cost on loopback: transport GB/s, and TTFT of PE -> CE against NORMAL.
 
     python benchmarks/kv_transfer.py [--lengths 128,512,2048,8192] [--repeats 3]
+                                     [--connector tcp,mooncake]
 
 Part 1 pushes K/V payloads of the size a real prompt has (default model, and a dummy
-Llama-3.2-1B-shaped KV layout) from a PE connector to a CE connector over ZeroMQ TCP on
-127.0.0.1: checksum, send, receive, verify, ack. Part 2 runs the default model end to end:
-the time to first token of a NORMAL engine against a PE -> CE pair (TCP connector) for the same
-prompts, and what the hand-off adds.
+Llama-3.2-1B-shaped KV layout) from a PE connector to a CE connector on 127.0.0.1: checksum,
+send, receive, verify, ack. ``tcp``: ZeroMQ, the bytes in a payload frame. ``mooncake``: the
+blocks written by Mooncake's Transfer Engine (TCP) straight into a registered CE "cache", then a
+payload-less push; the CE checks the crc32 over its own blocks. CE block ids are shuffled (a
+cache after some churn), so each block is its own write. Part 2 runs the default model end to
+end: the time to first token of a NORMAL engine against a PE -> CE pair for the same prompts,
+and what the hand-off adds, per connector.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import print_table  # noqa: E402
 
-from pdinfer.kv_transfer.protocol import KVLayout, KVPush, checksum  # noqa: E402
+from pdinfer.kv_transfer.protocol import KVLayout, KVPush, checksum, checksum_blocks  # noqa: E402
 from pdinfer.kv_transfer.tcp import TcpConnector  # noqa: E402
 
 # bytes of K and V per token, float32: 2 * layers * kv_heads * head_dim * 4
@@ -31,34 +35,57 @@ KV_SHAPES = {
 }
 
 
-def transport(lengths: list[int], repeats: int) -> list[list]:
-    layout = KVLayout("bench", "float32", 1, 1, 1, 16)
-    ce, pe = TcpConnector("127.0.0.1"), TcpConnector()
-    for c in (ce, pe):
-        c.register(layout)
-    instance = pe.connect(ce.address)
+BLOCK_TOKENS = 16
+
+
+def transport(lengths: list[int], repeats: int, connector: str) -> list[list]:
     rows = []
     for model, per_token in KV_SHAPES.items():
+        block_bytes = per_token * BLOCK_TOKENS
+        num_blocks = -(-max(lengths) // BLOCK_TOKENS)
+        ce, pe, cache = _pair(connector, block_bytes, num_blocks)
+        instance = pe.connect(ce.address)
         for n in lengths:
-            payload = np.random.default_rng(n).integers(0, 255, size=n * per_token, dtype=np.uint8)
+            rng = np.random.default_rng(n)
+            blocks = rng.permutation(num_blocks)[: -(-n // BLOCK_TOKENS)].tolist()
+            payload = rng.integers(0, 255, size=len(blocks) * block_bytes, dtype=np.uint8)
             times = []
             for r in range(repeats):
                 start = time.perf_counter()
                 push = KVPush(transfer_id=f"{n}-{r}", request_id="x", instance_id=instance,
                               num_tokens=n, first_token=0, first_tokens=[0], seed=0,
-                              block_ids=[], nbytes=payload.nbytes, checksum=checksum(payload))
+                              block_ids=blocks, nbytes=payload.nbytes, checksum=checksum(payload))
                 pe.send(ce.address, push, payload)
                 arrival = _wait(ce.receive)
-                assert checksum(arrival.payload) == arrival.push.checksum
+                received = [cache[b] for b in blocks] if ce.writes_in_place else [arrival.payload]
+                assert checksum_blocks(received) == arrival.push.checksum
                 ce.confirm(arrival, ok=True)
-                _wait(pe.events)
+                assert _wait(pe.events).ok
                 times.append(time.perf_counter() - start)
             best = min(times)
-            rows.append([model, n, f"{payload.nbytes / 2**20:.1f}", f"{best * 1e3:.1f}",
+            rows.append([connector, model, n, f"{payload.nbytes / 2**20:.1f}", f"{best * 1e3:.1f}",
                          f"{payload.nbytes / best / 1e9:.2f}"])
-    pe.close()
-    ce.close()
+        pe.close()
+        ce.close()
     return rows
+
+
+def _pair(connector: str, block_bytes: int, num_blocks: int):
+    """A listening CE connector, a PE connector, and the CE's "KV cache" (blocks of bytes)."""
+    import torch
+
+    layout = KVLayout("bench", "uint8", 1, 1, 1, BLOCK_TOKENS)
+    cache = torch.zeros((num_blocks, block_bytes), dtype=torch.uint8)
+    if connector == "mooncake":
+        from pdinfer.kv_transfer.mooncake import MooncakeConnector
+
+        ce, pe = MooncakeConnector("127.0.0.1"), MooncakeConnector()
+    else:
+        ce, pe = TcpConnector("127.0.0.1"), TcpConnector()
+    ce.register_kv_cache(cache)
+    for c in (ce, pe):
+        c.register(layout)
+    return ce, pe, cache.numpy()
 
 
 def _wait(poll):
@@ -69,7 +96,7 @@ def _wait(poll):
         time.sleep(0.0005)
 
 
-def ttft(lengths: list[int], repeats: int) -> list[list]:
+def ttft(lengths: list[int], repeats: int, connectors: list[str]) -> list[list]:
     from pdinfer import EngineArgs, LLMEngine, SamplingParams
     from pdinfer.engine.completion_engine import CompletionEngine
     from pdinfer.engine.pd_pair import PDPair
@@ -78,22 +105,30 @@ def ttft(lengths: list[int], repeats: int) -> list[list]:
     mem = 2 << 30
     common = dict(kv_cache_memory=mem, enable_prefix_caching=False, max_num_batched_tokens=8192)
     normal = LLMEngine(EngineArgs(**common))
-    pair = PDPair(PrefillEngine(EngineArgs(engine_type="prompt", kv_transfer={"connector": "tcp"}, **common)),
-                  CompletionEngine(EngineArgs(engine_type="completion", kv_transfer={"connector": "tcp"}, **common)))
+    pairs = {c: PDPair(PrefillEngine(EngineArgs(engine_type="prompt", kv_transfer={"connector": c},
+                                                **common)),
+                       CompletionEngine(EngineArgs(engine_type="completion", kv_transfer={"connector": c},
+                                                   **common)))
+             for c in connectors}
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     rng = np.random.default_rng(0)
     rows = []
     for n in lengths:
-        t_normal, t_pd = [], []
+        t_normal, t_pd = [], {c: [] for c in connectors}
         for r in range(repeats):
             ids = rng.integers(100, 40000, size=n).tolist()
             t_normal.append(_first_token_time(normal, f"n{n}-{r}", ids, params, normal.add_request))
-            t_pd.append(_first_token_time(pair, f"p{n}-{r}", ids, params, pair.add_request))
-        a, b = float(np.median(t_normal)), float(np.median(t_pd))
-        rows.append([n, f"{a * 1e3:.0f}", f"{b * 1e3:.0f}", f"{(b - a) * 1e3:.0f}", f"{(b / a - 1) * 100:+.1f}%"])
-    stats = pair.pe.handoff_stats
-    print(f"hand-offs: {stats['count']}, {stats['bytes'] / 2**20:.1f} MiB, "
-          f"mean push->ack {stats['seconds'] / max(stats['count'], 1) * 1e3:.1f} ms")
+            for c, pair in pairs.items():
+                t_pd[c].append(_first_token_time(pair, f"p{n}-{r}", ids, params, pair.add_request))
+        a = float(np.median(t_normal))
+        for c in connectors:
+            b = float(np.median(t_pd[c]))
+            rows.append([c, n, f"{a * 1e3:.0f}", f"{b * 1e3:.0f}", f"{(b - a) * 1e3:.0f}",
+                         f"{(b / a - 1) * 100:+.1f}%"])
+    for c, pair in pairs.items():
+        stats = pair.pe.handoff_stats
+        print(f"{c} hand-offs: {stats['count']}, {stats['bytes'] / 2**20:.1f} MiB, "
+              f"mean push->ack {stats['seconds'] / max(stats['count'], 1) * 1e3:.1f} ms")
     return rows
 
 
@@ -113,13 +148,17 @@ def main() -> None:
     parser.add_argument("--lengths", default="128,512,2048,8192")
     parser.add_argument("--ttft-lengths", default="128,512,2048")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--connector", default="tcp",
+                        help="comma-separated: tcp (ZeroMQ) and/or mooncake (needs the optional package)")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    print("## Transport: ZeroMQ TCP on 127.0.0.1 (checksum + send + verify + ack)\n")
-    print_table(transport(lengths, args.repeats), ["KV layout", "tokens", "MiB", "ms", "GB/s"])
-    print("\n## TTFT: NORMAL vs PE -> CE (default model, TCP connector, one process each side's thread)\n")
-    print_table(ttft([int(x) for x in args.ttft_lengths.split(",")], args.repeats),
-                ["prompt tokens", "NORMAL ms", "PE->CE ms", "added ms", "added"])
+    connectors = args.connector.split(",")
+    print("## Transport on 127.0.0.1 (checksum + send + verify + ack)\n")
+    print_table([row for c in connectors for row in transport(lengths, args.repeats, c)],
+                ["connector", "KV layout", "tokens", "MiB", "ms", "GB/s"])
+    print("\n## TTFT: NORMAL vs PE -> CE (default model, both engines in one process)\n")
+    print_table(ttft([int(x) for x in args.ttft_lengths.split(",")], args.repeats, connectors),
+                ["connector", "prompt tokens", "NORMAL ms", "PE->CE ms", "added ms", "added"])
 
 
 if __name__ == "__main__":

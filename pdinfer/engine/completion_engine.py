@@ -21,7 +21,7 @@ from pdinfer.engine.llm_engine import LLMEngine
 from pdinfer.engine.pd_common import KVTransferConfig, Reservation, kv_layout
 from pdinfer.engine_type import EngineType
 from pdinfer.kv_transfer.connector import Arrival
-from pdinfer.kv_transfer.protocol import KVAbort, checksum
+from pdinfer.kv_transfer.protocol import KVAbort, checksum_blocks
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence, SequenceStatus
 
@@ -41,8 +41,11 @@ class CompletionEngine(LLMEngine):
 
     def init_pd_split(self) -> None:
         self.connector = self.pd_config.make_connector(listen=True, engine_type=self.engine_type.value)
+        self.connector.register_kv_cache(self.model_runner.cache.kv)  # before the handshake can answer
         self.connector.register(kv_layout(self))
         self.reservations: dict[str, Sequence] = {}  # transfer id -> sequence waiting for its K/V
+        # transfer id -> (blocks, deadline) of dropped reservations a PE may still write into
+        self.quarantined: dict[str, tuple[list[int], float]] = {}
         self.refused_transfers = 0
 
     @property
@@ -65,28 +68,32 @@ class CompletionEngine(LLMEngine):
         self.reservations[transfer_id] = seq
         return Reservation(transfer_id=transfer_id, request_id=request_id, address=self.kv_address,
                            instance_id=self.connector.instance_id, block_ids=list(seq.block_table),
-                           num_prompt_tokens=seq.num_prompt_tokens)
+                           num_prompt_tokens=seq.num_prompt_tokens,
+                           timeout_s=self.pd_config.reservation_timeout_s)
 
     def step(self):
         self._accept_arrivals()
         return super().step()
 
     def has_unfinished_requests(self) -> bool:
-        return super().has_unfinished_requests() or bool(self.reservations)
+        return super().has_unfinished_requests() or bool(self.reservations) or bool(self.quarantined)
 
     def abort_request(self, request_id: str) -> None:
         for transfer_id, seq in list(self.reservations.items()):
             if seq.request_id == request_id:
-                # Nothing writes into reserved blocks before its arrival is accepted (on this
-                # thread), so they can be freed at once.
-                self._drop_reservation(transfer_id, "aborted")
+                # A copying transport writes only when the arrival is accepted (on this thread):
+                # free at once. An in-place one may be writing now: quarantine the blocks.
+                self._drop_reservation(transfer_id, "aborted", quarantine=self.connector.writes_in_place)
                 return
         super().abort_request(request_id)
 
     # --- arrivals ------------------------------------------------------------------------------------
     def _accept_arrivals(self) -> None:
         for event in self.connector.events():
-            if isinstance(event, KVAbort) and event.transfer_id in self.reservations:
+            if isinstance(event, KVAbort) and event.transfer_id in self.quarantined:
+                self._release_quarantine(event.transfer_id)
+            elif isinstance(event, KVAbort) and event.transfer_id in self.reservations:
+                # A PE sends its abort after any write of that transfer: the blocks are free to go.
                 self._drop_reservation(event.transfer_id, "aborted by the prefill engine")
             elif isinstance(event, KVAbort) and event.request_id in self.requests:
                 super().abort_request(event.request_id)
@@ -96,7 +103,11 @@ class CompletionEngine(LLMEngine):
         for transfer_id, seq in list(self.reservations.items()):
             if now > seq.handoff["deadline"]:
                 self._drop_reservation(transfer_id, "the prefill engine did not deliver the K/V in "
-                                                    f"{self.pd_config.reservation_timeout_s:.0f} s")
+                                                    f"{self.pd_config.reservation_timeout_s:.0f} s",
+                                       quarantine=self.connector.writes_in_place)
+        for transfer_id, (_, deadline) in list(self.quarantined.items()):
+            if now > deadline:
+                self._release_quarantine(transfer_id)
 
     def _accept(self, arrival: Arrival) -> None:
         push = arrival.push
@@ -108,16 +119,13 @@ class CompletionEngine(LLMEngine):
             self.connector.confirm(arrival, ok=False, error=error)
             if seq is not None:  # a corrupted transfer is refused, never decoded
                 self._drop_reservation(push.transfer_id, f"K/V hand-off refused: {error}")
+            self._release_quarantine(push.transfer_id)  # its push comes after its write
             return
         del self.reservations[push.transfer_id]
-        cache = self.model_runner.cache
-        with warnings.catch_warnings():  # read-only receive buffer: we only copy out of it
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(arrival.payload, dtype=torch.uint8)
-        blocks = data.view(cache.dtype).view(len(push.block_ids), *cache.block_shape)
-        write = self.executor.submit_call(cache.write_blocks, list(push.block_ids), blocks)
-        write.add_done_callback(lambda f: self.connector.confirm(
-            arrival, ok=f.exception() is None, error=None if f.exception() is None else str(f.exception())))
+        if self.connector.writes_in_place:  # the K/V is in our blocks already (and was checked)
+            self.connector.confirm(arrival, ok=True)
+        else:
+            self._write_payload(arrival)
         seq.seed = push.seed
         seq.num_computed_tokens = push.num_tokens
         seq.handoff = None
@@ -127,8 +135,20 @@ class CompletionEngine(LLMEngine):
             self.scheduler.add_prompted(seq)
         self._ready_outputs.append(self._report(self.requests[seq.request_id]))
 
+    def _write_payload(self, arrival: Arrival) -> None:
+        push, cache = arrival.push, self.model_runner.cache
+        with warnings.catch_warnings():  # read-only receive buffer: we only copy out of it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(arrival.payload, dtype=torch.uint8)
+        blocks = data.view(cache.dtype).view(len(push.block_ids), *cache.block_shape)
+        write = self.executor.submit_call(cache.write_blocks, list(push.block_ids), blocks)
+        write.add_done_callback(lambda f: self.connector.confirm(
+            arrival, ok=f.exception() is None, error=None if f.exception() is None else str(f.exception())))
+
     def _verify(self, arrival: Arrival, seq: Sequence | None) -> str | None:
         push, cache = arrival.push, self.model_runner.cache
+        if seq is None and push.transfer_id in self.quarantined:
+            return "the request was aborted on the completion engine"
         if seq is None:
             return f"unknown or expired transfer {push.transfer_id}"
         if push.instance_id != self.connector.instance_id:
@@ -140,27 +160,41 @@ class CompletionEngine(LLMEngine):
         expected_blocks = self.block_manager.blocks_for(push.num_tokens)
         if list(push.block_ids) != seq.block_table[:expected_blocks]:
             return "the K/V targets blocks that were not reserved for it"
-        size = len(arrival.payload)
+        if self.connector.writes_in_place:  # check what landed in our own memory
+            size = push.nbytes
+            received = [cache.kv[b].view(-1).view(torch.uint8).numpy() for b in push.block_ids]
+        else:
+            size, received = len(arrival.payload), [arrival.payload]
         if size != push.nbytes or size != expected_blocks * cache.bytes_per_block:
             return f"payload of {size} bytes, expected {expected_blocks * cache.bytes_per_block}"
-        if checksum(arrival.payload) != push.checksum:
+        if checksum_blocks(received) != push.checksum:
             return "checksum mismatch: the K/V was corrupted in transit"
         tokens = push.first_tokens or [push.first_token]
         if len(tokens) != seq.sampling_params.n or any(not 0 <= t < self.spec.vocab_size for t in tokens):
             return "invalid first tokens"
         return None
 
-    def _drop_reservation(self, transfer_id: str, error: str) -> None:
+    def _drop_reservation(self, transfer_id: str, error: str, quarantine: bool = False) -> None:
         seq = self.reservations.pop(transfer_id, None)
         if seq is None:
             return
-        self.block_manager.free(seq)
+        if quarantine:  # a block being written is never freed: wait for the PE's push or abort
+            deadline = time.monotonic() + self.pd_config.reservation_timeout_s
+            self.quarantined[transfer_id] = (seq.block_table, deadline)
+            seq.block_table = []
+        else:
+            self.block_manager.free(seq)
         seq.finish(SequenceStatus.FINISHED_ABORTED, error=error)
         state = self.requests.get(seq.request_id)
         if state is not None:
             state.error = error
             state.expected_seqs = len(state.seqs)
             self._ready_outputs.append(self._report(state))
+
+    def _release_quarantine(self, transfer_id: str) -> None:
+        blocks, _ = self.quarantined.pop(transfer_id, (None, 0.0))
+        if blocks is not None:
+            self.block_manager.free_blocks(blocks)
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -22,7 +22,7 @@ DEFAULT_DECODE_MARGIN_TOKENS = 16  # CE: reserve this much room for decode beyon
 class KVTransferConfig:
     """``EngineArgs.kv_transfer`` turned into settings (unknown keys are refused)."""
 
-    connector: str = "tcp"  # "tcp" or "local"
+    connector: str = "tcp"  # "tcp", "local" or "mooncake" (optional, see kv_transfer/mooncake.py)
     host: str = "127.0.0.1"  # CE: where to listen
     port: int = 0  # CE: 0 picks a free port
     name: str | None = None  # local connector: the address name
@@ -37,8 +37,13 @@ class KVTransferConfig:
         if unknown:
             raise ValueError(f"unknown kv_transfer settings: {sorted(unknown)}")
         config = cls(**values)
-        if config.connector not in ("tcp", "local"):
-            raise ValueError(f"kv_transfer connector must be 'tcp' or 'local', got {config.connector!r}")
+        if config.connector not in ("tcp", "local", "mooncake"):
+            raise ValueError("kv_transfer connector must be 'tcp', 'local' or 'mooncake', "
+                             f"got {config.connector!r}")
+        if config.connector == "mooncake":
+            from pdinfer.kv_transfer.mooncake import load_transfer_engine
+
+            load_transfer_engine()  # fail before the model loads, naming what to install
         if config.lease_s <= 0 or config.reservation_timeout_s <= 0:
             raise ValueError("kv_transfer lease_s and reservation_timeout_s must be positive")
         return config
@@ -48,6 +53,11 @@ class KVTransferConfig:
             from pdinfer.kv_transfer.local import LocalConnector
 
             return LocalConnector(self.name, secret=self.secret, listen=listen)
+        if self.connector == "mooncake":
+            from pdinfer.kv_transfer.mooncake import MooncakeConnector
+
+            return MooncakeConnector(self.host if listen else None, self.port, secret=self.secret,
+                                     engine_type=engine_type, host=self.host)
         from pdinfer.kv_transfer.tcp import TcpConnector
 
         return TcpConnector(self.host if listen else None, self.port, secret=self.secret,
@@ -63,6 +73,7 @@ class Reservation(msgspec.Struct):
     instance_id: str  # the CE process instance the blocks belong to
     block_ids: list[int]
     num_prompt_tokens: int
+    timeout_s: float | None = None  # the CE drops the reservation if no K/V came in this long
 
 
 def kv_layout(engine) -> KVLayout:
@@ -92,6 +103,7 @@ class Handoff:
     reservation: Reservation
     kv_future: Any = None  # the K/V copy, queued behind the prefill forward
     deadline: float = 0.0  # lease end
+    expires_at: float = float("inf")  # the CE's reservation timeout, on our clock: push before it
     started: float = 0.0
     nbytes: int = 0
     sent: bool = False

@@ -52,6 +52,7 @@ class PrefillEngine(LLMEngine):
         for seq in outputs.finished_seqs:  # aborted before they were handed over
             if seq.handoff is None or not seq.handoff.sent:
                 self._release(seq)
+                self._tell_ce_nothing_comes(seq)
         self._completing = [seq for seq, done in zip(outputs.scheduled_seqs, outputs.do_sample) if done]
         self._collect_acks()
 
@@ -64,6 +65,11 @@ class PrefillEngine(LLMEngine):
     def pe_do_save_kvcache(self, scheduled, finished) -> None:
         now = time.monotonic()
         for seq in self._completing:
+            if not seq.is_finished and now > seq.handoff.expires_at:
+                # The CE has dropped the reservation: its blocks may hold another request now.
+                self.requests[seq.request_id].error = ("the completion engine's reservation expired "
+                                                       "before the prefill finished")
+                self.abort_request(seq.request_id)
             if seq.is_finished:  # aborted while its prefill ran
                 continue
             self._push(seq, now)
@@ -90,6 +96,8 @@ class PrefillEngine(LLMEngine):
             raise ValueError(f"the reservation is for {reservation.num_prompt_tokens} prompt tokens, "
                              f"the prompt has {seq.num_prompt_tokens}")
         seq.handoff = Handoff(reservation=reservation)
+        if reservation.timeout_s is not None:
+            seq.handoff.expires_at = time.monotonic() + reservation.timeout_s
         if enqueue:
             self.scheduler.add_sequence(seq)
         return seq
@@ -132,6 +140,14 @@ class PrefillEngine(LLMEngine):
         seq.handoff.deadline, seq.handoff.nbytes = now + self.pd_config.lease_s, data.nbytes
         seq.status = SequenceStatus.HANDED_OFF
         self.handoffs[reservation.transfer_id] = seq
+
+    def _tell_ce_nothing_comes(self, seq: Sequence) -> None:
+        """A request dropped before its push: the CE may free its reservation now (a transport
+        writing in place would otherwise keep those blocks until the reservation times out)."""
+        if seq.handoff is not None:
+            reservation = seq.handoff.reservation
+            self.connector.abort(reservation.address, KVAbort(transfer_id=reservation.transfer_id,
+                                                              request_id=seq.request_id))
 
     def _collect_acks(self) -> None:
         for event in self.connector.events():

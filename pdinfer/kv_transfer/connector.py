@@ -4,6 +4,7 @@ A PE *sends* (and gets acks back); a CE *receives* pushes and *confirms* or refu
 Engines never touch sockets; they call these verbs from their hooks, on their own thread.
 
     register(layout)            both: what our KV looks like (used for the handshake)
+    register_kv_cache(kv)       CE: the KV tensor an in-place transport writes into (else no-op)
     connect(address)            PE: handshake with a CE; raises HandshakeError on mismatch
     send(address, push, data)   PE: queue a push (non-blocking)
     receive() -> [Arrival]      CE: pushes that arrived (already handshaken and authenticated)
@@ -35,9 +36,15 @@ class Arrival:
 class KVConnector(ABC):
     layout: KVLayout | None = None
     instance_id: str = ""
+    # True: the K/V of an arrival is already in the CE's blocks (the payload is empty), and a
+    # reserved block may be written by the PE at any time until its push or abort arrives.
+    writes_in_place: bool = False
 
     def register(self, layout: KVLayout) -> None:
         self.layout = layout
+
+    def register_kv_cache(self, kv) -> None:  # noqa: B027 - only in-place transports need it
+        return None
 
     @property
     def address(self) -> str:

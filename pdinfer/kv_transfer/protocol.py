@@ -31,12 +31,19 @@ class Hello(msgspec.Struct, tag="hello"):
     layout: KVLayout
     engine_type: int
     version: int = PROTOCOL_VERSION
+    data_plane: str = "zmq"  # how K/V bytes travel: "zmq" (payload frames) or "mooncake" (in place)
+    data_info: bytes = b""  # what the data plane tells the CE (cuda_ipc: the PE's staging pool)
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack"):
     ok: bool
     instance_id: str  # changes when the CE restarts: stale reservations are never trusted
     error: str | None = None
+    # data_plane "mooncake": the CE's Mooncake session id and where its KV cache is in its memory
+    data_session: str | None = None
+    kv_address: int = 0
+    kv_block_bytes: int = 0
+    kv_num_blocks: int = 0
 
 
 class KVPush(msgspec.Struct, tag="push"):
@@ -53,6 +60,10 @@ class KVPush(msgspec.Struct, tag="push"):
     nbytes: int
     checksum: int  # crc32 of the payload
     first_logprobs: dict[int, float] | None = None
+    # Device transports (cuda_ipc, nccl): no payload frame; the blocks wait in the PE's staging
+    # pool (segment ``staging_info``, at ``staging_offset``) and ``checksum`` is kv_checksum's.
+    staging_offset: int = -1
+    staging_info: bytes = b""
 
 
 class KVAck(msgspec.Struct, tag="ack"):
@@ -105,3 +116,11 @@ def decode(frame: bytes, secret: bytes | None) -> Message:
 
 def checksum(payload) -> int:
     return zlib.crc32(payload) & 0xFFFFFFFF
+
+
+def checksum_blocks(blocks) -> int:
+    """``checksum`` of the concatenation of ``blocks`` (buffers), without joining them."""
+    crc = 0
+    for block in blocks:
+        crc = zlib.crc32(block, crc)
+    return crc & 0xFFFFFFFF

@@ -33,6 +33,8 @@ logger = logging.getLogger("pdinfer")
 
 
 class TcpConnector(KVConnector):
+    data_plane = "zmq"  # K/V bytes ride in the push's payload frame
+
     def __init__(self, listen_host: str | None = None, listen_port: int = 0, secret: str | None = None,
                  engine_type: int = 0):
         self.secret = secret.encode() if secret else None
@@ -87,8 +89,16 @@ class TcpConnector(KVConnector):
         if not ack.ok:
             self._command(("drop", address, None))
             raise HandshakeError(f"{address} refused the KV hand-off: {ack.error}")
+        try:
+            self._check_peer(address, ack)
+        except HandshakeError:
+            self._command(("drop", address, None))
+            raise
         self._peer_instance[address] = ack.instance_id
         return ack.instance_id
+
+    def _check_peer(self, address: str, ack: HelloAck) -> None:
+        """What a data plane needs from the CE's HelloAck (nothing: ours rides on this socket)."""
 
     def peer_instance(self, address: str) -> str | None:
         return self._peer_instance.get(address)
@@ -181,7 +191,10 @@ class TcpConnector(KVConnector):
         poller.register(sock, zmq.POLLIN)
         self._dealers[address] = sock
         self._pending_hello[address] = future
-        sock.send(encode(Hello(layout=self.layout, engine_type=self.engine_type), self.secret))
+        sock.send(encode(self._hello(), self.secret))
+
+    def _hello(self) -> Hello:
+        return Hello(layout=self.layout, engine_type=self.engine_type, data_plane=self.data_plane)
 
     def _on_dealer(self, sock) -> None:
         address = next(a for a, s in self._dealers.items() if s is sock)
@@ -201,7 +214,11 @@ class TcpConnector(KVConnector):
             if future is not None and not future.done():
                 future.set_result(message)
         elif isinstance(message, KVAck):
+            self._on_ack(message)
             self._events.put(message)
+
+    def _on_ack(self, ack: KVAck) -> None:
+        """Socket thread: an ack arrived (a device transport frees its staging here)."""
 
     def _on_router(self, frames) -> None:
         identity = frames[0].bytes
@@ -235,6 +252,10 @@ class TcpConnector(KVConnector):
                             error=f"protocol version {hello.version} != {PROTOCOL_VERSION}")
         if self.layout is None:
             return HelloAck(ok=False, instance_id=self.instance_id, error="KV cache not ready")
+        if hello.data_plane != self.data_plane:
+            return HelloAck(ok=False, instance_id=self.instance_id,
+                            error=f"the PE sends K/V over {hello.data_plane}, this CE takes it over "
+                                  f"{self.data_plane}: give both the same kv connector")
         mismatch = self.layout.mismatch(hello.layout)
         if mismatch:
             return HelloAck(ok=False, instance_id=self.instance_id, error=f"KV layout mismatch ({mismatch})")
