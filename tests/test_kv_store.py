@@ -272,6 +272,26 @@ def test_corrupted_and_truncated_blocks_are_recomputed(baseline, writer, reader,
     _all_free(baseline.engine, writer.engine, reader.engine)
 
 
+def test_running_sequences_are_saved_every_n_tokens_with_the_flag(writer):
+    from pdinfer import SamplingParams
+
+    engine, agent = writer.engine, writer.engine.kv_store
+    agent.save_interval_tokens = 2 * BLOCK  # what kv_store_save_interval_tokens=32 sets
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        seq = engine.add_request("long", {"prompt_token_ids": [7, 8, 9] * 11}, params)
+        while seq.num_output_tokens < 45:
+            engine.step()
+        assert agent.flush(60) and not seq.is_finished
+        # saved while running: full blocks past the 33-token prompt, output tokens included
+        assert agent.store.longest_stored_prefix(seq.token_ids) >= 3 * BLOCK
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        agent.save_interval_tokens = 0
+    _all_free(engine)
+
+
 _OTHER_PROCESS = r"""
 import json, sys
 from pdinfer import LLM, SamplingParams

@@ -19,8 +19,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pdinfer.engine_type import EngineType
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pdinfer")
 
 DEFAULT_MAX_PENDING_SAVE_BYTES = 256 << 20
+_LOAD_THREADS = 4  # reads and checksums release the GIL: fetch blocks in parallel
 _KNOWN_KEYS = 1 << 16  # keys known to be stored: saves skip them without asking the store...
 _KNOWN_TTL_S = 10.0  # ...for this long (the store may evict them meanwhile)
 
@@ -49,6 +52,7 @@ class KVStoreAgent:
         self.save_interval_tokens = save_interval_tokens
         # Loaded blocks reach a prefill only through the prefix cache.
         self.loads = engine.engine_type is not EngineType.COMPLETION and self.block_manager.enable_prefix_caching
+        self._readers = ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="pdinfer-kv-load") if self.loads else None
         self.saver = None
         if engine.engine_type is not EngineType.PROMPT:  # a PE's prompts are saved by their CE
             self.saver = BackgroundSaver(store, max_pending_save_bytes, self._payloads)
@@ -99,12 +103,7 @@ class KVStoreAgent:
         start = len(local)
         pinned = bm.share(local)  # keep our own prefix out of the blocks we are about to take
         try:
-            payloads = []
-            for key in hashes[start : start + bm.num_free_blocks]:
-                payload = self.store.get(key)
-                if payload is None or len(payload) != self.cache.bytes_per_block:
-                    break
-                payloads.append(payload)
+            payloads = self._fetch(hashes[start : start + bm.num_free_blocks])
             if payloads:
                 self._write(payloads, hashes[start : start + len(payloads)])
                 self.loaded_requests += 1
@@ -112,11 +111,23 @@ class KVStoreAgent:
             bm.free_blocks(pinned)
         return (start + len(payloads)) * bs
 
+    def _fetch(self, keys: list[bytes]) -> list:
+        """Payloads of the longest run of ``keys`` that the store has, intact, from the first."""
+        payloads = self.store.get_run(keys, self._readers)
+        size = self.cache.bytes_per_block
+        for i, payload in enumerate(payloads):
+            if len(payload) != size:  # cannot happen within one layout; never trust it blindly
+                return payloads[:i]
+        return payloads
+
     def _write(self, payloads: list, keys: list[bytes]) -> None:
         bm, cache = self.block_manager, self.cache
         block_ids = bm.allocate_blocks(len(payloads))
-        data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-        blocks = data.view(cache.dtype).view(len(payloads), *cache.block_shape)
+        pinned = cache.device.type == "cuda"
+        blocks = torch.empty((len(payloads), *cache.block_shape), dtype=cache.dtype, pin_memory=pinned)
+        flat, size = blocks.view(-1).view(torch.uint8).numpy(), cache.bytes_per_block
+        for i, payload in enumerate(payloads):
+            flat[i * size : (i + 1) * size] = np.frombuffer(payload, dtype=np.uint8)
         # In step order: after any step still reading these blocks, before the next forward.
         self.engine.executor.submit_call(cache.write_blocks, block_ids, blocks)
         bm.adopt_cached_blocks(block_ids, keys)
@@ -203,6 +214,8 @@ class KVStoreAgent:
         return self.saver is None or self.saver.flush(timeout)
 
     def close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown()
         if self.saver is not None:
             self.saver.close()
         self.store.close()

@@ -16,12 +16,12 @@ cannot write is not stored. No pickle anywhere: raw bytes behind a small binary 
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
-
-import msgspec
 
 from pdinfer.core.block_manager import ROOT_HASH, chain_hash
 
@@ -88,6 +88,23 @@ class KVStore(ABC):
             for name, delta in deltas.items():
                 setattr(self.counters, name, getattr(self.counters, name) + delta)
 
+    def get_run(self, keys: Sequence[bytes], executor: Executor | None = None) -> list[bytes]:
+        """Payloads of the longest run of ``keys``, from the first, that are stored and intact.
+        With an ``executor`` the blocks are read in parallel (reads and checksums release the
+        GIL). The key that ends the run counts as one miss."""
+        stored = 0
+        for key in keys:
+            if not self.contains(key):
+                self._count(misses=1)
+                break
+            stored += 1
+        payloads = []
+        for payload in (executor.map if executor else map)(self.get, keys[:stored]):
+            if payload is None:  # vanished or corrupt since: the run ends here
+                break
+            payloads.append(payload)
+        return payloads
+
     def longest_stored_prefix(self, token_ids: Sequence[int]) -> int:
         """Tokens of ``token_ids`` whose K/V a prefill could load from here: the longest run of
         stored full blocks from the start, leaving at least one token to compute (what an
@@ -113,7 +130,8 @@ def prefix_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int) ->
 
 def layout_namespace(layout) -> str:
     """A readable directory-safe name for a ``KVLayout``, covering all of its fields."""
-    digest = hashlib.blake2b(msgspec.json.encode(layout), digest_size=6).hexdigest()
+    fields = {name: getattr(layout, name) for name in layout.__struct_fields__}
+    digest = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=6).hexdigest()
     return f"{layout.model}-{layout.dtype}-b{layout.block_size}-{digest}"
 
 
@@ -152,6 +170,9 @@ class TieredStore(KVStore):
         merged = dict(back)
         merged["hits"] = front["hits"] + back["hits"]  # a front miss that the back serves is a hit
         merged.update({f"memory_{name}": value for name, value in front.items()})
+        with self._count_lock:  # what the tiered view counted itself (get_run's misses)
+            for name, value in asdict(self.counters).items():
+                merged[name] += value
         return merged
 
     def close(self) -> None:
