@@ -12,19 +12,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdinfer.layers import cpu_kernels
 from pdinfer.layers.attention.metadata import AttentionMetadata
 from pdinfer.layers.attention.torch_paged import TorchPagedAttention
 from pdinfer.layers.rotary import RotaryEmbedding, apply_rotary
 from pdinfer.models.spec import ModelSpec
 
+MLP_CHUNK_ROWS = 1024  # CPU: rows per MLP chunk of a large prefill
 
-def _cuda_ops(x: torch.Tensor):
-    """The fused Triton kernels (pdinfer/layers/triton_ops.py) for CUDA tensors, else None."""
-    if not x.is_cuda:
-        return None
-    from pdinfer.layers import triton_ops
 
-    return triton_ops if triton_ops.HAS_TRITON else None
+def _fused_ops(x: torch.Tensor):
+    """Fused RMSNorm/rotary/SiLU-and-mul: Triton (pdinfer/layers/triton_ops.py) for CUDA tensors,
+    the native CPU kernels (pdinfer/layers/cpu_kernels.py) for float32 CPU ones once a CPU model
+    runner has built them; None: the plain torch code below."""
+    if x.is_cuda:
+        from pdinfer.layers import triton_ops
+
+        return triton_ops if triton_ops.HAS_TRITON else None
+    return cpu_kernels.fused_ops() if x.dtype == torch.float32 else None
 
 
 class RMSNorm(nn.Module):
@@ -34,8 +39,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (ops := _cuda_ops(x)) is not None:
+        if (ops := _fused_ops(x)) is not None:
             return ops.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:  # the same arithmetic, without no-op casts or extra buffers
+            return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps))).mul_(self.weight)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -60,7 +67,8 @@ class Attention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
         )
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, keep_rows=None) -> torch.Tensor:
+        """``keep_rows``: only these rows of the output are needed (K/V are still written for all)."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -68,11 +76,17 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if (ops := _cuda_ops(q)) is not None:
+        if (ops := _fused_ops(q)) is not None:
             q, k = ops.rotary_qk_(q, k, cos, sin)  # in place, one kernel for both
+        elif self.q_norm is None:  # q and k side by side in qkv: rotate both with one set of ops
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], -1, self.head_dim),
+                              cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache[:, self.layer_idx], meta)
+        if keep_rows is not None:
+            out = out.index_select(0, keep_rows)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -84,10 +98,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (ops := _cuda_ops(x)) is not None:
+        if x.shape[0] > MLP_CHUNK_ROWS and not x.is_cuda:
+            # Large prefills in row chunks: each chunk's [rows, 2 * intermediate] temporary stays
+            # small enough for glibc to reuse (32 MiB and up is a fresh, page-faulting mmap).
+            return torch.cat([self(part) for part in x.split(MLP_CHUNK_ROWS)])
+        if (ops := _fused_ops(x)) is not None:
             return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -98,9 +116,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, kv_cache, meta, keep_rows=None):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, keep_rows)
+        x = (x if keep_rows is None else x.index_select(0, keep_rows)) + h
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -118,18 +137,22 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
-    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] of every input token; K/V written to ``kv_cache``."""
+    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of every input token, or only of ``keep_rows`` (the last
+        layer then skips the other rows after attention); K/V written to ``kv_cache``."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, kv_cache, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache, meta, keep_rows if i == last else None)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.norm(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied to the embedding
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()  # may be a packed copy of the tied weight on CPU
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up on the way."""

@@ -4,65 +4,115 @@ from __future__ import annotations
 
 import torch
 
-from pdinfer.layers.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSeq
+from pdinfer.layers import cpu_kernels
+from pdinfer.layers.attention.metadata import (
+    AttentionMetadata,
+    DecodeGroup,
+    DecodeKernelInput,
+    PrefillSeq,
+)
 from pdinfer.worker.sampler import SamplingTensors
 from pdinfer.worker.step_input import SampleSpec, StepInput
 
 # A decode group pads its sequences to its longest; a sequence joins the current group while
-# its context is at least this fraction of the group's longest (bounds the wasted work).
+# its context is at least this fraction of the group's longest (bounds the wasted work) ...
 DECODE_GROUP_MIN_FILL = 0.6
+# ... and while the group's gathered K/V stays below this size: a temporary of 32 MiB or more
+# is a fresh mmap from glibc on every call, and its page faults cost more than the copy.
+DECODE_GROUP_MAX_BYTES = 16 << 20
 
 
-def build_attention_metadata(inp: StepInput, block_size: int, device: torch.device) -> AttentionMetadata:
-    slot_blocks, slot_offsets = [], []
+def build_attention_metadata(inp: StepInput, kv_cache: torch.Tensor,
+                             decode_kernel=None) -> AttentionMetadata:
+    """Metadata of the torch backend for the cache ``[blocks, layers, 2, block_size, KVH, D]``;
+    decode steps use ``decode_kernel`` (``cpu_kernels.load()``) when given."""
+    _, num_layers, _, block_size, kv_heads, head_dim = kv_cache.shape
+    rows_per_block = 2 * num_layers  # block rows from one block of a layer to the next block
+    device = kv_cache.device
+    slot_rows = []
     for qlen, ctx, table in zip(inp.query_lens, inp.context_lens, inp.block_tables):
         for pos in range(ctx - qlen, ctx):
-            slot_blocks.append(table[pos // block_size])
-            slot_offsets.append(pos % block_size)
+            slot_rows.append(table[pos // block_size] * rows_per_block * block_size + pos % block_size)
     meta = AttentionMetadata(
         is_prompt=inp.is_prompt,
-        slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64, device=device),
-        slot_offsets=torch.tensor(slot_offsets, dtype=torch.int64, device=device),
+        slot_rows=torch.tensor(slot_rows, dtype=torch.int64, device=device),
+        block_size=block_size,
         num_tokens=inp.num_tokens,
     )
     if inp.is_prompt:
         start = 0
         for qlen, ctx, table in zip(inp.query_lens, inp.context_lens, inp.block_tables):
-            num_blocks = -(-ctx // block_size)
-            meta.prefill_seqs.append(PrefillSeq(
-                query_start=start, query_len=qlen, context_len=ctx,
-                block_table=torch.tensor(table[:num_blocks], dtype=torch.int64, device=device),
-            ))
+            seq = PrefillSeq(query_start=start, query_len=qlen, context_len=ctx)
+            if ctx > qlen:  # a cached prefix: attention reads the whole context from the cache
+                blocks = torch.tensor(table[: -(-ctx // block_size)], dtype=torch.int64, device=device)
+                seq.kv_rows = torch.cat([blocks * rows_per_block, blocks * rows_per_block + 1])
+            meta.prefill_seqs.append(seq)
             start += qlen
+    elif decode_kernel is not None:
+        meta.decode_kernel = _decode_kernel_input(inp, block_size, kv_cache, decode_kernel)
     else:
-        meta.decode_groups = _decode_groups(inp, block_size, device)
+        token_bytes = 2 * kv_heads * head_dim * kv_cache.element_size()
+        max_tokens = max(block_size, DECODE_GROUP_MAX_BYTES // token_bytes)
+        groups = _decode_groups(inp.context_lens, max_tokens)
+        if len(groups) == 1:  # one group: keep the step's row order, no gather of queries
+            groups = [list(range(len(inp.context_lens)))]
+        meta.decode_groups = [
+            _decode_group(inp, g, block_size, rows_per_block, kv_cache, ordered=len(groups) == 1)
+            for g in groups
+        ]
     return meta
 
 
-def _decode_groups(inp: StepInput, block_size: int, device: torch.device) -> list[DecodeGroup]:
-    order = sorted(range(len(inp.context_lens)), key=lambda i: -inp.context_lens[i])
+def _decode_kernel_input(inp: StepInput, block_size: int, kv_cache: torch.Tensor,
+                         kernel) -> DecodeKernelInput:
+    max_blocks = -(-max(inp.context_lens) // block_size)
+    tables = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks]))
+              for table in inp.block_tables]
+    device = kv_cache.device
+    return DecodeKernelInput(
+        kernel=kernel,
+        block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
+        context_lens=torch.tensor(inp.context_lens, dtype=torch.int64, device=device),
+        kv_strides=cpu_kernels.kv_strides(kv_cache[:, 0]),
+    )
+
+
+def _decode_groups(context_lens: list[int], max_tokens: int) -> list[list[int]]:
+    order = sorted(range(len(context_lens)), key=lambda i: -context_lens[i])
     groups, current = [], []
     for i in order:
-        if current and inp.context_lens[i] < DECODE_GROUP_MIN_FILL * inp.context_lens[current[0]]:
+        longest = context_lens[current[0]] if current else 0
+        if current and (context_lens[i] < DECODE_GROUP_MIN_FILL * longest
+                        or (len(current) + 1) * longest > max_tokens):
             groups.append(current)
             current = []
         current.append(i)
     if current:
         groups.append(current)
-    return [_decode_group(inp, g, block_size, device) for g in groups]
+    return groups
 
 
-def _decode_group(inp: StepInput, rows: list[int], block_size: int, device) -> DecodeGroup:
-    max_blocks = -(-inp.context_lens[rows[0]] // block_size)
-    tables = [inp.block_tables[r][:max_blocks] + [0] * (max_blocks - len(inp.block_tables[r][:max_blocks])) for r in rows]
-    lengths = torch.tensor([inp.context_lens[r] for r in rows], device=device)
-    positions = torch.arange(max_blocks * block_size, device=device)
-    mask = torch.zeros(len(rows), max_blocks * block_size, device=device)
-    mask.masked_fill_(positions[None, :] >= lengths[:, None], float("-inf"))
+def _decode_group(inp: StepInput, rows: list[int], block_size: int, rows_per_block: int,
+                  kv_cache: torch.Tensor, ordered: bool) -> DecodeGroup:
+    device, dtype = kv_cache.device, kv_cache.dtype
+    lengths = [inp.context_lens[r] for r in rows]
+    longest = max(lengths)
+    max_blocks = -(-longest // block_size)
+    tables = []
+    for r in rows:
+        table = inp.block_tables[r][:max_blocks]
+        tables.append(table + [0] * (max_blocks - len(table)))
+    blocks = torch.tensor(tables, dtype=torch.int64, device=device) * rows_per_block
+    kv_rows = torch.stack([blocks, blocks + 1], dim=1).reshape(-1)  # per sequence: K, then V
+    mask = None
+    if len(rows) > 1:
+        positions = torch.arange(max_blocks * block_size, device=device)
+        ends = torch.tensor(lengths, device=device)
+        mask = torch.zeros(len(rows), 1, max_blocks * block_size, dtype=dtype, device=device)
+        mask.masked_fill_(positions[None, None, :] >= ends[:, None, None], float("-inf"))
     return DecodeGroup(
-        rows=torch.tensor(rows, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
-        mask=mask.view(len(rows), 1, 1, -1),
+        rows=None if ordered else torch.tensor(rows, dtype=torch.int64, device=device),
+        kv_rows=kv_rows, mask=mask, num_seqs=len(rows), context_len=longest,
     )
 
 

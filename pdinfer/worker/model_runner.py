@@ -10,10 +10,14 @@ import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
+from pdinfer import env
 from pdinfer.engine_type import EngineType
+from pdinfer.layers import cpu_kernels
+from pdinfer.layers.cpu_linear import pack_linears
 from pdinfer.models.loader import build_model
 from pdinfer.models.spec import ModelSpec
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
@@ -24,6 +28,9 @@ from pdinfer.worker.step_input import StepInput, StepResult
 logger = logging.getLogger("pdinfer")
 
 PENDING_TOKEN = -2  # in a penalty token list: the token the previous step sampled
+# CPU: a prefill step runs as forwards over whole sequences of about this many tokens, so the
+# activations stay in the last-level cache (measured ~10% faster than one 8k-token forward).
+PREFILL_SUBBATCH_TOKENS = 2048
 
 
 class ModelRunner:
@@ -34,6 +41,11 @@ class ModelRunner:
         self.device = device
         self.engine_type = engine_type
         self.model = build_model(spec, folder, load_format, dtype, device, seed)
+        self.decode_kernel = None
+        if device.type == "cpu" and dtype == torch.float32:
+            # Native kernels (None: plain torch), then oneDNN-packed linears (faster than F.linear)
+            self.decode_kernel = cpu_kernels.load(env.get("PDINFER_CACHE_DIR"))
+            pack_linears(self.model, self.decode_kernel)
         self.sampler = Sampler()
         self.cache: CacheEngine | None = None
         # Sampled tokens of the last few steps, on the device, by step id (zero-overhead
@@ -107,10 +119,10 @@ class ModelRunner:
         if inp.pending:
             self._fill_pending(input_ids, inp)
         positions = torch.tensor(inp.positions, dtype=torch.int64, device=self.device)
-        meta = build_attention_metadata(inp, self.cache.block_size, self.device)
-        hidden = self.model(input_ids, positions, self.cache.kv, meta)
-        rows = torch.tensor([s.row for s in inp.samples], dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if inp.is_prompt and inp.num_tokens > PREFILL_SUBBATCH_TOKENS:
+            logits = self._prefill_in_subbatches(inp, input_ids, positions)
+        else:
+            logits = self._forward(inp, input_ids, positions)
         tensors = build_sampling_tensors(inp.samples, self.spec.vocab_size, self.device)
         if tensors.output_tokens is not None and inp.pending:
             self._fill_pending_penalty_tokens(tensors.output_tokens, inp)
@@ -119,6 +131,30 @@ class ModelRunner:
         while len(self._recent) > 4:
             self._recent.popitem(last=False)
         return _to_host(inp.step_id, out)
+
+    def _forward(self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits of the rows ``inp.samples`` name, in their order."""
+        meta = build_attention_metadata(inp, self.cache.kv, self.decode_kernel)
+        sample_rows = [s.row for s in inp.samples]
+        if sample_rows == list(range(inp.num_tokens)):  # a decode step: every row is sampled
+            hidden = self.model(input_ids, positions, self.cache.kv, meta)
+        else:  # only the sampled rows leave the last layer
+            rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+            hidden = self.model(input_ids, positions, self.cache.kv, meta, keep_rows=rows)
+        return self.model.compute_logits(hidden)
+
+    def _prefill_in_subbatches(self, inp: StepInput, input_ids: torch.Tensor,
+                               positions: torch.Tensor) -> torch.Tensor:
+        """A large prefill step as several forwards over whole sequences (same results)."""
+        parts, order = [], []
+        for sub, lo, sample_ids in _prefill_subbatches(inp, PREFILL_SUBBATCH_TOKENS):
+            hi = lo + sub.num_tokens
+            parts.append(self._forward(sub, input_ids[lo:hi], positions[lo:hi]))
+            order += sample_ids
+        logits = torch.cat(parts)
+        if order != list(range(len(order))):
+            logits = logits[torch.tensor(order).argsort()]
+        return logits
 
     def _pending_token(self, step_id: int, index: int) -> torch.Tensor:
         tokens = self._recent.get(step_id)
@@ -135,6 +171,29 @@ class ModelRunner:
         for i, spec in enumerate(inp.samples):
             if spec.output_tokens and spec.output_tokens[-1] == PENDING_TOKEN:
                 tokens[i, len(spec.output_tokens) - 1] = self._pending_token(*pending_of_row[spec.row])
+
+
+def _prefill_subbatches(inp: StepInput, max_tokens: int):
+    """(sub-step, its first row, indices of its samples in ``inp.samples``) over whole sequences
+    of about ``max_tokens`` tokens each (a longer sequence goes alone)."""
+    bounds, start, tokens = [], 0, 0
+    for i, qlen in enumerate(inp.query_lens):
+        if tokens and tokens + qlen > max_tokens:
+            bounds.append((start, i))
+            start, tokens = i, 0
+        tokens += qlen
+    bounds.append((start, len(inp.query_lens)))
+    row = 0
+    for first, end in bounds:
+        num_rows = sum(inp.query_lens[first:end])
+        picked = [i for i, s in enumerate(inp.samples) if row <= s.row < row + num_rows]
+        yield StepInput(
+            step_id=inp.step_id, is_prompt=True, input_ids=inp.input_ids[row:row + num_rows],
+            positions=inp.positions[row:row + num_rows], query_lens=inp.query_lens[first:end],
+            context_lens=inp.context_lens[first:end], block_tables=inp.block_tables[first:end],
+            samples=[replace(inp.samples[i], row=inp.samples[i].row - row) for i in picked],
+        ), row, picked
+        row += num_rows
 
 
 def _to_host(step_id: int, out: SamplerOutput) -> StepResult:

@@ -1,0 +1,113 @@
+"""The CPU attention paths and native kernels against plain torch references.
+
+Decode attention over the paged KV cache (native kernel and the pure-torch fallback) is compared
+with ``scaled_dot_product_attention`` over each sequence's contiguous K/V; the small GEMM and
+the fused RMSNorm / rotary / SiLU-and-mul with the torch expressions they replace.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdinfer.layers import cpu_kernels
+from pdinfer.layers.attention.torch_paged import TorchPagedAttention
+from pdinfer.layers.rotary import RotaryEmbedding, apply_rotary
+from pdinfer.worker.input_builder import build_attention_metadata
+from pdinfer.worker.step_input import StepInput
+
+LAYERS, BLOCK, KV_HEADS = 3, 4, 2
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    lib = cpu_kernels.load(str(tmp_path_factory.mktemp("kernels")))
+    if lib is None:
+        pytest.skip("no C++ compiler: the torch fallback is tested below")
+    return lib
+
+
+def _decode_case(head_dim: int, group: int, lengths: list[int], seed: int = 0):
+    """A random KV cache, shuffled block tables, queries, and the SDPA reference output."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BLOCK) for n in lengths) + 3
+    kv = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, head_dim, generator=gen)
+    free = list(range(1, num_blocks))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in lengths]
+    heads = KV_HEADS * group
+    wide = torch.randn(len(lengths), heads + 4, head_dim, generator=gen)
+    q = wide[:, :heads]  # strided rows, as a slice of a fused projection
+    layer = 1
+    ref = []
+    for i, n in enumerate(lengths):
+        blocks = kv[tables[i], layer]  # [nb, 2, BLOCK, KVH, D]
+        k = blocks[:, 0].reshape(-1, KV_HEADS, head_dim)[:n].transpose(0, 1)[None]
+        v = blocks[:, 1].reshape(-1, KV_HEADS, head_dim)[:n].transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(q[i][None, :, None], k, v, enable_gqa=group > 1)
+        ref.append(out.view(heads, head_dim))
+    inp = StepInput(step_id=0, is_prompt=False, input_ids=[0] * len(lengths),
+                    positions=[n - 1 for n in lengths], query_lens=[1] * len(lengths),
+                    context_lens=list(lengths), block_tables=tables)
+    return kv, layer, q, inp, torch.stack(ref)
+
+
+def _run_decode(kv, layer, q, inp, kernel):
+    heads, head_dim = q.shape[1], q.shape[2]
+    backend = TorchPagedAttention(heads, KV_HEADS, head_dim, head_dim**-0.5)
+    meta = build_attention_metadata(inp, kv, kernel)
+    k_new = kv.new_zeros(q.shape[0], KV_HEADS, head_dim)
+    # The backend first writes the new tokens' K/V: write back what the cache holds there.
+    for i, (n, table) in enumerate(zip(inp.context_lens, inp.block_tables)):
+        k_new[i] = kv[table[(n - 1) // BLOCK], layer, 0, (n - 1) % BLOCK]
+    v_new = torch.stack([kv[t[(n - 1) // BLOCK], layer, 1, (n - 1) % BLOCK]
+                         for n, t in zip(inp.context_lens, inp.block_tables)])
+    return backend.forward(q, k_new, v_new, kv[:, layer], meta)
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (16, 2), (128, 1)])
+def test_native_decode_matches_sdpa(kernels, head_dim, group):
+    kv, layer, q, inp, ref = _decode_case(head_dim, group, [1, 5, 17, 64, 3, 40, 33])
+    out = _run_decode(kv, layer, q, inp, kernels)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", [[9], [1, 5, 17, 64, 3, 40, 33], [100, 2, 2, 2, 70]])
+def test_torch_decode_fallback_matches_sdpa(lengths):
+    kv, layer, q, inp, ref = _decode_case(64, 3, lengths, seed=1)
+    out = _run_decode(kv, layer, q, inp, None)  # grouped, padded, masked torch path
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_small_gemm_matches_linear(kernels, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 7 * 64 + 5, generator=gen)[:, 5:]  # strided input rows
+    weight, bias = torch.randn(8 * 9 + 3, 7 * 64, generator=gen), torch.randn(8 * 9 + 3, generator=gen)
+    out = cpu_kernels.small_linear(kernels, x, weight, bias)
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_kernels.small_linear(kernels, x, weight, None), F.linear(x, weight),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_fused_elementwise_ops_match_torch(kernels):
+    ops = cpu_kernels.fused_ops()
+    gen = torch.Generator().manual_seed(0)
+    x, w = 3 * torch.randn(9, 96, generator=gen), torch.randn(96, generator=gen)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), ref, rtol=1e-5, atol=1e-5)
+
+    g = 6 * torch.randn(9, 2 * 80, generator=gen)
+    g[0, :4] = torch.tensor([100.0, -100.0, 0.0, -30.0])  # the tails of silu
+    torch.testing.assert_close(ops.silu_and_mul(g), F.silu(g[:, :80]) * g[:, 80:], rtol=1e-5, atol=1e-5)
+
+    for scaling in ({}, {"partial_rotary_factor": 0.5}):
+        cos, sin = RotaryEmbedding(32, 10000.0, scaling).cos_sin(torch.arange(9) * 7, torch.float32)
+        qkv = torch.randn(9, 7 * 32, generator=gen)
+        ref = apply_rotary(qkv[:, : 6 * 32].view(9, 6, 32), cos, sin)
+        q, k = qkv[:, : 4 * 32].view(9, 4, 32), qkv[:, 4 * 32 : 6 * 32].view(9, 2, 32)
+        ops.rotary_qk_(q, k, cos, sin)
+        torch.testing.assert_close(qkv[:, : 6 * 32].view(9, 6, 32), ref, rtol=1e-5, atol=1e-5)
