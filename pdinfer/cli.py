@@ -2,6 +2,9 @@
 
     pdinfer generate "prompt" [--max-tokens N] [--temperature T] [--seed S] [--chat] [--model M]
     pdinfer serve [--role normal|prompt|completion] [--model M] [--host H] [--port P] ...
+    pdinfer router --prefill URL... --decode URL... [--normal URL...] [--port P]
+    pdinfer launch --prefill N --decode M [--normal K] [--port P] [engine flags]
+    pdinfer bench serve --url URL [--rate R | --concurrency C] [--loads 1,2,4] [--plot out.png]
 
 Each subcommand is an ``add_<name>_parser(subparsers)`` function that registers its flags and
 ``set_defaults(func=run_<name>)``; ``router``, ``launch`` and ``bench`` join ``SUBCOMMANDS``.
@@ -19,6 +22,9 @@ from pathlib import Path
 
 from pdinfer.config import EngineArgs
 from pdinfer.engine_type import EngineType
+from pdinfer.serving.bench import add_bench_parser
+from pdinfer.serving.launch import add_launch_parser
+from pdinfer.serving.router_cli import add_router_parser
 
 logger = logging.getLogger("pdinfer")
 
@@ -293,7 +299,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 # --- main --------------------------------------------------------------------------------------------
-SUBCOMMANDS = (add_generate_parser, add_serve_parser)  # router, launch, bench: add theirs here
+SUBCOMMANDS = (add_generate_parser, add_serve_parser, add_router_parser, add_launch_parser,
+               add_bench_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

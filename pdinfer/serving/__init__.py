@@ -1,16 +1,25 @@
 """Serving: ``AsyncEngine`` (an engine stepped on a background thread, driven from asyncio) and
-the OpenAI-compatible HTTP app of one engine (``build_app``). The P/D router reuses both."""
+the OpenAI-compatible HTTP app of one engine (``build_app``). The P/D router reuses both.
 
-from pdinfer.serving.api_server import OpenAIServer, build_app
-from pdinfer.serving.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineOverloadedError,
-    EngineStats,
-    RequestStream,
-)
+Names are imported lazily, so the router, ``launch`` and ``bench`` do not import torch.
+"""
 
-__all__ = [
-    "AsyncEngine", "EngineDeadError", "EngineOverloadedError", "EngineStats", "RequestStream",
-    "OpenAIServer", "build_app",
-]
+import importlib as _importlib
+
+_EXPORTS = {
+    "AsyncEngine": "pdinfer.serving.async_engine",
+    "EngineDeadError": "pdinfer.serving.async_engine",
+    "EngineOverloadedError": "pdinfer.serving.async_engine",
+    "EngineStats": "pdinfer.serving.async_engine",
+    "RequestStream": "pdinfer.serving.async_engine",
+    "OpenAIServer": "pdinfer.serving.api_server",
+    "build_app": "pdinfer.serving.api_server",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(_importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pdinfer.serving' has no attribute {name!r}")

@@ -8,9 +8,6 @@ shape, never a 500. A client that goes away (stream or not) aborts its requests.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hmac
-import json
 import logging
 import time
 import uuid
@@ -18,8 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdinfer.engine_type import EngineType
 from pdinfer.outputs import RequestOutput
@@ -30,26 +26,22 @@ from pdinfer.serving.async_engine import (
     EngineOverloadedError,
     RequestStream,
 )
+from pdinfer.serving.frontend import (
+    Delta,
+    DeltaTracker,
+    PromptBuilder,
+    ResponseFormat,
+    check_api_key,
+    install_error_handlers,
+    run_unless_disconnected,
+    sse_response,
+)
 from pdinfer.serving.metrics import RequestTimer, ServerMetrics
 from pdinfer.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 
 logger = logging.getLogger("pdinfer")
 
-_DISCONNECT_POLL_S = 0.5
 _END = object()
-_JSON_SEP = (",", ":")
-
-
-@dataclass
-class _Delta:
-    """What one choice gained since the last chunk."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    text_offset: int
 
 
 @dataclass
@@ -80,13 +72,7 @@ class OpenAIServer:
 
     # --- checks ----------------------------------------------------------------------------------
     async def authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                           code="invalid_api_key")
+        check_api_key(request, self.api_key)
 
     def _check_servable(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -98,37 +84,10 @@ class OpenAIServer:
                                 "only as part of a P/D pair behind `pdinfer router`",
                            type="not_implemented", code="role_not_servable")
 
-    def _engine_prompt(self, prompt: str | list[int], param: str) -> dict:
-        """Tokenize here (with the serving copy of the tokenizer) to check the length up front."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise bad_request("the prompt is empty", param=param)
-            if self.engine.tokenizer is None:
-                raise bad_request("this model has no tokenizer: send token ids", param=param)
-            token_ids = self.engine.tokenizer(prompt).input_ids
-            return self._checked({"prompt": prompt, "prompt_token_ids": token_ids}, param)
-        return self._checked({"prompt_token_ids": list(prompt)}, param)
-
-    def _checked(self, prompt: dict, param: str) -> dict:
-        num_tokens, limit = len(prompt["prompt_token_ids"]), self.engine.scheduler_config.prompt_limit
-        if num_tokens > limit:
-            raise bad_request(f"the prompt has {num_tokens} tokens, more than this engine's limit "
-                              f"of {limit}", param=param, code="context_length_exceeded")
-        return prompt
-
-    def _chat_prompt(self, body: ChatCompletionRequest) -> dict:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise bad_request("this model has no chat template; use /v1/completions")
-        messages = [m.as_template_input() for m in body.messages]
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
-        except Exception as exc:  # a template raising on odd input is the input's fault
-            raise bad_request(f"the chat template failed on these messages: {exc}",
-                              param="messages") from None
-        token_ids = tokenizer(text, add_special_tokens=False).input_ids
-        return self._checked({"prompt": text, "prompt_token_ids": token_ids}, "messages")
+    @property
+    def prompts(self) -> PromptBuilder:
+        """Tokenizes with the serving copy of the tokenizer to check the length up front."""
+        return PromptBuilder(self.engine.tokenizer, self.engine.scheduler_config.prompt_limit)
 
     # --- running requests ------------------------------------------------------------------------
     async def _start(self, prefix: str, prompts: list[dict], params, param: str) -> _Generation:
@@ -191,21 +150,14 @@ class OpenAIServer:
             for stream in gen.streams:
                 stream.close()
 
-    async def _deltas(self, gen: _Generation) -> AsyncIterator[_Delta]:
-        seen: dict[int, tuple[int, int, bool]] = {}  # choice -> (text chars, tokens, finished)
+    async def _deltas(self, gen: _Generation) -> AsyncIterator[Delta]:
+        tracker = DeltaTracker()
         async for i, output in self._outputs(gen):
             for c in output.outputs:
-                index = i * gen.n + c.index
-                num_chars, num_tokens, done = seen.get(index, (0, 0, False))
-                if done:
-                    continue
-                text = c.text[num_chars:] if len(c.text) >= num_chars else ""
-                token_ids = c.token_ids[num_tokens:]
-                logprobs = c.logprobs[num_tokens:] if c.logprobs is not None else None
-                if not (text or c.finish_reason or (logprobs and token_ids)):
-                    continue  # nothing to show yet (e.g. half of a multi-byte character)
-                seen[index] = (max(num_chars, len(c.text)), len(c.token_ids), c.finished)
-                yield _Delta(index, text, token_ids, logprobs, c.finish_reason, num_chars)
+                delta = tracker.update(i * gen.n + c.index, c.text, c.token_ids, c.logprobs,
+                                       c.finish_reason)
+                if delta is not None:
+                    yield delta
 
     async def _collect(self, request: Request, gen: _Generation) -> None:
         """Run to the end; a client that disconnects meanwhile aborts its requests."""
@@ -214,103 +166,38 @@ class OpenAIServer:
             async for _ in self._outputs(gen):
                 pass
 
-        task = asyncio.ensure_future(drain())
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    raise APIError(499, "the client disconnected", code="client_disconnected")
-            task.result()
-        finally:
-            task.cancel()
+        await run_unless_disconnected(request, drain())
 
-    def _logprobs(self, gen: _Generation, delta: _Delta, chat: bool):
-        if gen.logprobs is None or delta.logprobs is None:
-            return None
-        tok = self.engine.tokenizer
-        if chat:
-            return protocol.chat_logprobs(tok, delta.token_ids, delta.logprobs, gen.logprobs)
-        return protocol.completion_logprobs(tok, delta.token_ids, delta.logprobs, gen.logprobs,
-                                            delta.text_offset)
-
-    def _final_deltas(self, gen: _Generation) -> list[_Delta]:
-        deltas = []
-        for i, output in enumerate(gen.finals):
-            for c in output.outputs if output else []:
-                deltas.append(_Delta(i * gen.n + c.index, c.text, c.token_ids, c.logprobs,
-                                     c.finish_reason, 0))
-        return sorted(deltas, key=lambda d: d.index)
+    def _final_deltas(self, gen: _Generation) -> list[Delta]:
+        return [Delta(i * gen.n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, 0)
+                for i, output in enumerate(gen.finals) for c in (output.outputs if output else [])]
 
     # --- endpoints -------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_servable(body.model)
         params = body.sampling_params()
-        prompts = [self._engine_prompt(p, "prompt") for p in body.prompts()]
+        prompts = [self.prompts.completion(p, "prompt") for p in body.prompts()]
         gen = await self._start("cmpl", prompts, params, "prompt")
-        head = {"id": gen.streams[0].request_id, "object": "text_completion",
-                "created": int(time.time()), "model": self.model_name}
-
-        def choice(delta: _Delta) -> dict:
-            return {"index": delta.index, "text": delta.text,
-                    "logprobs": self._logprobs(gen, delta, chat=False),
-                    "finish_reason": delta.finish_reason}
-
-        if body.stream:
-            chunks = ({**head, "choices": [choice(d)]} async for d in self._deltas(gen))
-            return self._sse(chunks, gen, head, body.include_usage)
-        await self._collect(request, gen)
-        choices = [choice(d) for d in self._final_deltas(gen)]
-        return {**head, "choices": choices, "usage": gen.usage()}
+        return await self._respond(gen, body, request, chat=False)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_servable(body.model)
         params = body.sampling_params()
-        gen = await self._start("chatcmpl", [self._chat_prompt(body)], params, "messages")
-        head = {"id": gen.streams[0].request_id, "object": "chat.completion",
-                "created": int(time.time()), "model": self.model_name}
+        gen = await self._start("chatcmpl", [self.prompts.chat(body)], params, "messages")
+        return await self._respond(gen, body, request, chat=True)
+
+    async def _respond(self, gen: _Generation, body, request: Request, chat: bool):
+        fmt = ResponseFormat(self.engine.tokenizer, self.model_name, gen.streams[0].request_id,
+                             chat, gen.logprobs)
         if body.stream:
-            chunk_head = {**head, "object": "chat.completion.chunk"}
-            return self._sse(self._chat_chunks(gen, chunk_head), gen, chunk_head,
-                             body.include_usage)
+            chunks = (fmt.chunk(d) async for d in self._deltas(gen))
+            return sse_response(chunks, fmt, gen.usage, body.include_usage, self._count_error,
+                                lambda: [stream.close() for stream in gen.streams])
         await self._collect(request, gen)
-        choices = [{"index": d.index, "message": {"role": "assistant", "content": d.text},
-                    "logprobs": self._logprobs(gen, d, chat=True), "finish_reason": d.finish_reason}
-                   for d in self._final_deltas(gen)]
-        return {**head, "choices": choices, "usage": gen.usage()}
+        return fmt.body(self._final_deltas(gen), gen.usage())
 
-    async def _chat_chunks(self, gen: _Generation, head: dict) -> AsyncIterator[dict]:
-        started: set[int] = set()
-        async for d in self._deltas(gen):
-            delta: dict = {} if d.index in started else {"role": "assistant"}
-            started.add(d.index)
-            if d.text or not d.finish_reason:
-                delta["content"] = d.text
-            yield {**head, "choices": [{"index": d.index, "delta": delta,
-                                        "logprobs": self._logprobs(gen, d, chat=True),
-                                        "finish_reason": d.finish_reason}]}
-
-    def _sse(self, chunks: AsyncIterator[dict], gen: _Generation, head: dict,
-             include_usage: bool) -> StreamingResponse:
-        async def events() -> AsyncIterator[str]:
-            try:
-                async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk, ensure_ascii=False, separators=_JSON_SEP)}\n\n"
-                if include_usage:
-                    last = {**head, "choices": [], "usage": gen.usage()}
-                    yield f"data: {json.dumps(last)}\n\n"
-            except APIError as exc:  # headers are gone: the error travels as an event
-                self.metrics.errors.labels(kind=exc.code or exc.type).inc()
-                yield f"data: {json.dumps(exc.body())}\n\n"
-            finally:
-                for stream in gen.streams:
-                    stream.close()
-                with contextlib.suppress(Exception):
-                    await chunks.aclose()  # type: ignore[attr-defined]
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+    def _count_error(self, exc: APIError) -> None:
+        self.metrics.errors.labels(kind=exc.code or exc.type).inc()
 
     async def models(self) -> dict:
         card = protocol.model_card(self.model_name, self.created,
@@ -339,15 +226,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str,
     app = FastAPI(title="pdinfer", docs_url=None, redoc_url=None)
     app.state.server = server
 
-    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        server.metrics.errors.labels(kind=exc.code or exc.type).inc()
-        return JSONResponse(exc.body(), status_code=exc.status_code)
-
-    async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return await on_api_error(request, protocol.validation_error(exc.errors()))
-
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_invalid)
+    install_error_handlers(app, server.metrics.errors)
     auth = [Depends(server.authorize)]
     app.add_api_route("/v1/completions", server.completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"],

@@ -60,6 +60,11 @@ class EngineStats:
     num_prefix_query_tokens: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    # PE only: confirmed K/V hand-offs (``PrefillEngine.handoff_stats``), cumulative
+    num_handoffs: int = 0
+    handoff_bytes: int = 0
+    handoff_seconds: float = 0.0
+    num_handoffs_failed: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -325,6 +330,7 @@ class AsyncEngine:
 
     def _take_stats(self) -> EngineStats:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        handoffs = getattr(self.engine, "handoff_stats", None) or {}
         return EngineStats(
             num_waiting=len(scheduler.waiting),
             num_running=len(scheduler.running),
@@ -336,6 +342,10 @@ class AsyncEngine:
             num_prefix_query_tokens=blocks.num_prefix_queries,
             num_preemptions=scheduler.num_preemptions,
             num_steps=self._num_steps,
+            num_handoffs=handoffs.get("count", 0),
+            handoff_bytes=handoffs.get("bytes", 0),
+            handoff_seconds=handoffs.get("seconds", 0.0),
+            num_handoffs_failed=handoffs.get("failed", 0),
         )
 
     def _dead_message(self) -> str:

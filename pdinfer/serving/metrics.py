@@ -8,6 +8,7 @@ their own metrics (KV hand-off bytes and latency, retries ...) on ``ServerMetric
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -18,8 +19,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pdinfer.outputs import RequestOutput
-from pdinfer.serving.async_engine import EngineStats
+if TYPE_CHECKING:  # the router uses the buckets without the engine (and torch)
+    from pdinfer.outputs import RequestOutput
+    from pdinfer.serving.async_engine import EngineStats
 
 PREFIX = "pdinfer_"
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
@@ -68,6 +70,16 @@ class ServerMetrics:
                                  registry=r)
         self.healthy = Gauge(PREFIX + "engine_healthy", "1 while the engine loop runs.",
                              registry=r)
+        # A gauge per cumulative PE hand-off stat (the engine counts; we copy at scrape time).
+        self.handoffs = Gauge(PREFIX + "kv_handoffs", "K/V hand-offs the CE confirmed (PE).",
+                              registry=r)
+        self.handoff_bytes = Gauge(PREFIX + "kv_handoff_bytes", "K/V bytes handed over (PE).",
+                                   registry=r)
+        self.handoff_seconds = Gauge(
+            PREFIX + "kv_handoff_seconds", "Seconds from K/V push to the CE's confirmation, "
+                                           "summed over hand-offs (PE).", registry=r)
+        self.handoffs_failed = Gauge(PREFIX + "kv_handoffs_failed",
+                                     "Hand-offs that failed or were aborted (PE).", registry=r)
         info = Gauge(PREFIX + "engine_info", "Constant 1, labelled with the engine's identity.",
                      ["model", "role"], registry=r)
         info.labels(model=model_name, role=role).set(1)
@@ -81,6 +93,10 @@ class ServerMetrics:
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
         self.preemptions.set(stats.num_preemptions)
         self.healthy.set(1 if healthy else 0)
+        self.handoffs.set(stats.num_handoffs)
+        self.handoff_bytes.set(stats.handoff_bytes)
+        self.handoff_seconds.set(stats.handoff_seconds)
+        self.handoffs_failed.set(stats.num_handoffs_failed)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

@@ -1,0 +1,256 @@
+"""``pdinfer launch``: a whole local P/D cluster in one command.
+
+Starts ``--prefill N`` PROMPT engines, ``--decode M`` COMPLETION engines and ``--normal K`` NORMAL
+engines (``pdinfer serve --role ...`` on free local ports, each with the engine flags given here),
+then ``pdinfer router`` in front of them; waits until the router sees every engine healthy and
+prints the URL. Each child runs in its own process group (and, on Linux, gets SIGTERM if this
+process dies). Ctrl-C or SIGTERM stops them all: SIGTERM to each group, SIGKILL to what is left
+after ``_STOP_GRACE_S``. A child that dies during startup stops the rest: exit 1 with its log tail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_STOP_GRACE_S = 15.0
+_POLL_S = 0.3
+_LOG_TAIL_LINES = 40
+
+
+class _Stop(Exception):
+    """Ctrl-C or SIGTERM."""
+
+
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    url: str
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def log_tail(self) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
+        return "\n".join(lines[-_LOG_TAIL_LINES:])
+
+
+def add_launch_parser(subparsers) -> None:
+    from pdinfer.cli import add_engine_args, add_kv_transfer_args
+
+    p = subparsers.add_parser(
+        "launch", help="start a local P/D cluster (engines + router) and print its URL",
+        description="Engine flags apply to every engine. Without --num-threads, the CPU cores "
+                    "are divided among the engines.")
+    p.add_argument("--prefill", type=int, default=1, help="PROMPT engines")
+    p.add_argument("--decode", type=int, default=1, help="COMPLETION engines")
+    p.add_argument("--normal", type=int, default=0, help="NORMAL engines (short prompts)")
+    p.add_argument("--host", default="127.0.0.1", help="the router's bind address")
+    p.add_argument("--port", type=int, default=8000, help="the router's port")
+    p.add_argument("--api-key", default=None, help="the router requires it on /v1/*")
+    p.add_argument("--log-dir", default=None, help="children's logs (default: a new temp dir)")
+    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
+                   help="extra flag for the router, e.g. --router-arg=--normal-max-prompt-tokens=128")
+    add_engine_args(p)
+    add_kv_transfer_args(p)
+    p.set_defaults(func=run_launch)
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine and K/V flags that differ from their defaults, as command-line text."""
+    from pdinfer.cli import add_engine_args, add_kv_transfer_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    add_kv_transfer_args(parser)
+    flags: list[str] = []
+    for action in parser._actions:  # argparse keeps no public list of a parser's actions
+        value = getattr(args, action.dest, action.default)
+        if not action.option_strings or action.dest == "kv_port" or value == action.default:
+            continue  # (each CE picks its own K/V port)
+        option = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flags.append(option if value else "--no-" + option[2:])
+        elif action.nargs == 0:
+            flags.append(option)
+        else:
+            flags += [option, str(value)]
+    return flags
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
+    pdinfer = [sys.executable, "-m", "pdinfer.cli"]
+    flags = engine_flags(args)
+    num_engines = args.prefill + args.decode + args.normal
+    if args.num_threads is None:  # engines on one machine share its cores
+        flags += ["--num-threads", str(max(1, (os.cpu_count() or 1) // num_engines))]
+    children: list[Child] = []
+    for role, count in (("prompt", args.prefill), ("completion", args.decode),
+                        ("normal", args.normal)):
+        for i in range(count):
+            port = _free_port()
+            cmd = [*pdinfer, "serve", "--role", role, "--host", "127.0.0.1", "--port", str(port),
+                   *flags]
+            children.append(Child(f"{role}-{i}", cmd, f"http://127.0.0.1:{port}",
+                                  log_dir / f"{role}-{i}.log"))
+    router = [*pdinfer, "router", "--host", args.host, "--port", str(args.port)]
+    for role, flag in (("prompt", "--prefill"), ("completion", "--decode"), ("normal", "--normal")):
+        urls = [c.url for c in children if c.name.startswith(role)]
+        if urls:
+            router += [flag, *urls]
+    for name in ("model", "tokenizer", "api_key"):
+        if getattr(args, name) is not None:
+            router += ["--" + name.replace("_", "-"), getattr(args, name)]
+    router += args.router_arg
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    children.append(Child("router", router, f"http://{host}:{args.port}", log_dir / "router.log"))
+    return children
+
+
+def _die_with_parent() -> None:
+    try:  # Linux: the child gets SIGTERM when this process dies, even by SIGKILL
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _start(child: Child) -> None:
+    with open(child.log_path, "ab") as log:
+        child.proc = subprocess.Popen(child.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=_die_with_parent)
+
+
+def _healthy(child: Child) -> bool:
+    import httpx
+
+    try:
+        if httpx.get(f"{child.url}/health", timeout=2).status_code != 200:
+            return False
+        if child.name != "router":
+            return True
+        engines = httpx.get(f"{child.url}/debug/engines", timeout=2).json()
+        return all(e["healthy"] for e in engines)
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def _wait_healthy(children: list[Child], timeout_s: float) -> Child | None:
+    """None once all are healthy; else the child that died (or the first still unhealthy)."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(children)
+    while pending:
+        for child in list(pending):
+            if child.proc.poll() is not None:
+                return child
+            if _healthy(child):
+                pending.remove(child)
+        if pending and time.monotonic() > deadline:
+            return pending[0]
+        time.sleep(_POLL_S)
+    return None
+
+
+def stop_all(children: list[Child], grace_s: float = _STOP_GRACE_S) -> None:
+    started = [c for c in children if c.proc is not None]
+    for child in started:
+        _signal_group(child, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in started:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for child in started:  # whatever is left, the leaders' own children included
+        _signal_group(child, signal.SIGKILL)
+        child.proc.wait()
+
+
+def _signal_group(child: Child, sig: int) -> None:
+    try:
+        os.killpg(child.proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _on_signal(signum, frame) -> None:
+    raise _Stop()
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    if args.prefill < 0 or args.decode < 0 or args.normal < 0:
+        print("pdinfer launch: engine counts must be >= 0", file=sys.stderr)
+        return 2
+    if (args.prefill == 0) != (args.decode == 0) or args.prefill + args.normal == 0:
+        print("pdinfer launch: needs --prefill and --decode engines (both), or --normal ones",
+              file=sys.stderr)
+        return 2
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdinfer-launch-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    children = _children(args, log_dir)
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _run(children, args, log_dir)
+    except _Stop:
+        print("pdinfer launch: stopping", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        for sig in previous:
+            signal.signal(sig, lambda *_: None)  # a second Ctrl-C must not cut the cleanup short
+        stop_all(children)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(children: list[Child], args: argparse.Namespace, log_dir: Path) -> int:
+    engines, router = children[:-1], children[-1]
+    for child in engines:
+        _start(child)
+    failed = _wait_healthy(engines, args.startup_timeout_s)
+    if failed is None:
+        _start(router)
+        failed = _wait_healthy([router], args.startup_timeout_s)
+    if failed is not None:
+        state = (f"exited with {failed.proc.returncode}" if failed.proc.poll() is not None
+                 else "did not become healthy")
+        print(f"pdinfer launch: {failed.name} {state}; its log ({failed.log_path}):\n"
+              f"{failed.log_tail()}", file=sys.stderr, flush=True)
+        return 1
+    print(f"pdinfer launch: {router.url}/v1 is ready", flush=True)
+    for child in children:
+        print(f"  {child.name:<13} {child.url}  pid {child.proc.pid}  log {child.log_path}",
+              flush=True)
+    print("Ctrl-C stops the cluster.", flush=True)
+    return _watch(engines, router)
+
+
+def _watch(engines: list[Child], router: Child) -> int:
+    reported: set[str] = set()
+    while True:
+        if router.proc.poll() is not None:
+            print(f"pdinfer launch: the router exited with {router.proc.returncode}:\n"
+                  f"{router.log_tail()}", file=sys.stderr, flush=True)
+            return 1
+        for child in engines:
+            if child.proc.poll() is not None and child.name not in reported:
+                reported.add(child.name)  # the router ejects it; the rest keeps serving
+                print(f"pdinfer launch: {child.name} exited with {child.proc.returncode} "
+                      f"(log {child.log_path})", file=sys.stderr, flush=True)
+        time.sleep(_POLL_S)

@@ -1,0 +1,325 @@
+"""``pdinfer router``: the P/D front door, the same OpenAI API as ``pdinfer serve``.
+
+Per request the router validates the body (``protocol``), tokenizes the prompts (or applies the
+chat template) with the model's tokenizer, and sends token ids to the engines:
+- a request whose prompts total at most ``--normal-max-prompt-tokens`` goes to a NORMAL engine
+  when ``--normal`` engines are configured (and any request does while no PE/CE pair is healthy),
+  proxied as-is to that engine's own /v1 API; a NORMAL engine that refuses (5xx) or is
+  unreachable passes the request on to the next one, then to P/D;
+- every other prompt goes through a CE and a PE (``router_pd``: reservation, prefill, relay,
+  retries), chosen by the balancers of ``load_balancer`` (their rules are stated there).
+The answer has the shapes of ``api_server`` (both use ``frontend``). Health checks every
+``--health-interval-s`` eject dead engines and re-admit them (``router_pool``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdinfer.serving import protocol
+from pdinfer.serving.frontend import (
+    Delta,
+    DeltaTracker,
+    PromptBuilder,
+    ResponseFormat,
+    check_api_key,
+    install_error_handlers,
+    run_unless_disconnected,
+    sse_response,
+)
+from pdinfer.serving.load_balancer import (
+    DecodeBalancer,
+    Engine,
+    NormalBalancer,
+    PrefillBalancer,
+)
+from pdinfer.serving.pd_protocol import sampling_to_dict
+from pdinfer.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from pdinfer.serving.router_pd import PDDriver, PDJob
+from pdinfer.serving.router_pool import EnginePool, RouterMetrics
+
+logger = logging.getLogger("pdinfer")
+
+
+@dataclass
+class RouterConfig:
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    normal_urls: list[str] = field(default_factory=list)
+    api_key: str | None = None
+    normal_max_prompt_tokens: int = 256
+    prefix_tolerance_tokens: int = 2048
+    max_attempts: int = 3
+    queue_timeout_s: float = 60.0
+    engine_timeout_s: float = 600.0
+    health_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.normal_urls and not (self.prefill_urls and self.decode_urls):
+            raise ValueError("the router needs --prefill and --decode engines, or --normal ones")
+        if bool(self.prefill_urls) != bool(self.decode_urls):
+            raise ValueError("P/D needs both --prefill and --decode engines")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+
+    def extend(self, delta: dict) -> None:
+        self.text += delta["text"]
+        self.token_ids += delta["token_ids"]
+        if delta.get("logprobs") is not None:
+            self.logprobs = (self.logprobs or []) + delta["logprobs"]
+        self.finish_reason = delta.get("finish_reason") or self.finish_reason
+
+
+@dataclass
+class _Generation:
+    """The P/D jobs behind one HTTP request (one per prompt), feeding one queue."""
+
+    request_id: str
+    n: int
+    prompt_tokens: list[int]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tasks: list[asyncio.Future] = field(default_factory=list)
+    choices: dict[int, _Choice] = field(default_factory=dict)
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(len(c.token_ids) for c in self.choices.values())
+        return protocol.usage(sum(self.prompt_tokens), completion)
+
+    def finals(self) -> list[Delta]:
+        return [Delta(i, c.text, c.token_ids, c.logprobs, c.finish_reason, 0)
+                for i, c in self.choices.items()]
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()  # each driver closes its CE stream: the engines abort
+
+
+class Router:
+    def __init__(self, config: RouterConfig, model_name: str, tokenizer, vocab_size: int | None,
+                 default_max_model_len: int | None):
+        self.config = config
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.default_max_model_len = default_max_model_len
+        self.created = int(time.time())
+        self.metrics = RouterMetrics(model_name)
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
+                                                            max_keepalive_connections=256))
+        engines = ([Engine(u, "prefill") for u in config.prefill_urls]
+                   + [Engine(u, "decode") for u in config.decode_urls]
+                   + [Engine(u, "normal") for u in config.normal_urls])
+        self.pool = EnginePool(engines, self.client, self.metrics, config.health_interval_s)
+        self.prefill_lb = PrefillBalancer(self.pool.by_role("prefill"),
+                                          config.prefix_tolerance_tokens)
+        self.decode_lb = DecodeBalancer(self.pool.by_role("decode"))
+        self.normal_lb = NormalBalancer(self.pool.by_role("normal"))
+        self.driver = PDDriver(self.pool, self.client, self.metrics, self.prefill_lb,
+                               self.decode_lb, config.max_attempts, config.queue_timeout_s,
+                               config.engine_timeout_s)
+        self._background: set[asyncio.Task] = set()
+
+    # --- checks ----------------------------------------------------------------------------------
+    async def authorize(self, request: Request) -> None:
+        check_api_key(request, self.config.api_key)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+
+    @property
+    def prompts(self) -> PromptBuilder:
+        return PromptBuilder(self.tokenizer, self.pool.max_model_len(), self.vocab_size)
+
+    # --- endpoints -------------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check_model(body.model)
+        params = body.sampling_params()
+        prompts = [self.prompts.completion(p, "prompt") for p in body.prompts()]
+        return await self._serve(request, body, "cmpl", prompts, params, chat=False)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        self._check_model(body.model)
+        params = body.sampling_params()
+        return await self._serve(request, body, "chatcmpl", [self.prompts.chat(body)], params,
+                                 chat=True)
+
+    async def _serve(self, request: Request, body, prefix: str, prompts: list[dict], params,
+                     chat: bool):
+        num_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        if self.pool.healthy("normal") and (num_tokens <= self.config.normal_max_prompt_tokens
+                                            or not self.pool.pd_servable):
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            response = await self._proxy_normal(request, path, body, num_tokens)
+            if response is not None:
+                return response
+        if not self.pool.pd_servable:
+            raise APIError(503, "no healthy prefill and completion engines to serve this request",
+                           type="server_error", code="no_engine")
+        gen = self._start(prefix, prompts, params)
+        fmt = ResponseFormat(self.tokenizer, self.model_name, gen.request_id, chat, params.logprobs)
+        if body.stream:
+            chunks = (fmt.chunk(d) async for d in self._deltas(gen))
+            return sse_response(chunks, fmt, gen.usage, body.include_usage, self._count_error,
+                                gen.cancel)
+        await run_unless_disconnected(request, self._drain(gen))
+        return fmt.body(gen.finals(), gen.usage())
+
+    def _start(self, prefix: str, prompts: list[dict], params) -> _Generation:
+        gen = _Generation(f"{prefix}-{uuid.uuid4().hex}", params.n,
+                          [len(p["prompt_token_ids"]) for p in prompts])
+        sampling = sampling_to_dict(params)
+        for i, prompt in enumerate(prompts):
+            job = PDJob(i, f"{gen.request_id}-{i}", list(prompt["prompt_token_ids"]), sampling,
+                        gen.queue)
+            gen.tasks.append(asyncio.ensure_future(self.driver.drive(job)))
+        return gen
+
+    async def _deltas(self, gen: _Generation) -> AsyncIterator[Delta]:
+        tracker, remaining = DeltaTracker(), len(gen.tasks)
+        try:
+            while remaining:
+                i, kind, payload = await gen.queue.get()
+                if kind == "done":
+                    remaining -= 1
+                    continue
+                if kind == "error":
+                    raise payload
+                for d in payload:
+                    index = i * gen.n + d["index"]
+                    choice = gen.choices.setdefault(index, _Choice())
+                    choice.extend(d)
+                    delta = tracker.update(index, choice.text, choice.token_ids, choice.logprobs,
+                                           choice.finish_reason)
+                    if delta is not None:
+                        yield delta
+        finally:
+            gen.cancel()
+
+    async def _drain(self, gen: _Generation) -> None:
+        async for _ in self._deltas(gen):
+            pass
+
+    def _count_error(self, exc: APIError) -> None:
+        self.metrics.errors.labels(kind=exc.code or exc.type).inc()
+
+    # --- NORMAL engines --------------------------------------------------------------------------
+    async def _proxy_normal(self, request: Request, path: str, body,
+                            num_tokens: int) -> Response | None:
+        """The answer of the first NORMAL engine that takes the request; None if none does."""
+        payload = body.model_dump(exclude_unset=True)
+        for engine in self.normal_lb.candidates():
+            assignment = self.normal_lb.assign(engine, num_tokens)
+            upstream = self.client.build_request(
+                "POST", engine.url + path, json=payload,
+                timeout=httpx.Timeout(self.config.engine_timeout_s, connect=5))
+            try:
+                resp = await self.client.send(upstream, stream=True)
+            except httpx.HTTPError as exc:
+                assignment.release()
+                self.pool.eject(engine, f"{path} failed ({type(exc).__name__})")
+                continue
+            if resp.status_code >= 500:  # overloaded or failing: someone else
+                assignment.release()
+                await resp.aclose()
+                continue
+            self.metrics.routed.labels(engine=engine.url, role=engine.role).inc()
+            if body.stream and resp.status_code == 200:
+                return StreamingResponse(self._relay_raw(resp, assignment),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            try:
+                content = await run_unless_disconnected(request, resp.aread())
+            finally:
+                assignment.release()
+                self._close_later(resp)
+            return Response(content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type"))
+        return None
+
+    async def _relay_raw(self, resp: httpx.Response, assignment) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            error = APIError(502, f"the engine failed mid-stream: {exc!r}", type="server_error",
+                             code="engine_failed")
+            self._count_error(error)
+            yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            assignment.release()
+            self._close_later(resp)  # a client that went away: the engine aborts
+
+    def _close_later(self, resp: httpx.Response) -> None:
+        # Awaiting here may be cancelled again (the server cancels a gone client's stream):
+        # close from a task of its own.
+        task = asyncio.get_running_loop().create_task(resp.aclose())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- the rest of the API ---------------------------------------------------------------------
+    async def models(self) -> dict:
+        max_len = self.pool.max_model_len() or self.default_max_model_len
+        return {"object": "list", "data": [protocol.model_card(self.model_name, self.created,
+                                                               max_len)]}
+
+    async def health(self) -> JSONResponse:
+        counts = {role: len(self.pool.healthy(role)) for role in ("prefill", "decode", "normal")}
+        ok = self.pool.pd_servable or counts["normal"] > 0
+        return JSONResponse({"status": "ok" if ok else "unavailable", "role": "router", **counts},
+                            status_code=200 if ok else 503)
+
+    async def render_metrics(self) -> Response:
+        body, content_type = self.metrics.render(self.pool.engines)
+        return Response(body, media_type=content_type)
+
+    async def debug_engines(self) -> list[dict]:
+        return [{"url": e.url, "role": e.role, "healthy": e.healthy, "in_flight": e.in_flight,
+                 "kv_tokens": e.kv_tokens, "queued_tokens": e.total_queued_tokens}
+                for e in self.pool.engines]
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI):
+        await self.pool.check_all()
+        health = asyncio.ensure_future(self.pool.run())
+        try:
+            yield
+        finally:
+            health.cancel()
+            await self.client.aclose()
+
+
+def build_router_app(router: Router) -> FastAPI:
+    app = FastAPI(title="pdinfer router", docs_url=None, redoc_url=None, lifespan=router.lifespan)
+    app.state.router = router
+    install_error_handlers(app, router.metrics.errors)
+    auth = [Depends(router.authorize)]
+    app.add_api_route("/v1/completions", router.completions, methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/chat/completions", router.chat_completions, methods=["POST"],
+                      dependencies=auth)
+    app.add_api_route("/v1/models", router.models, methods=["GET"], dependencies=auth)
+    app.add_api_route("/health", router.health, methods=["GET"])
+    app.add_api_route("/metrics", router.render_metrics, methods=["GET"])
+    app.add_api_route("/debug/engines", router.debug_engines, methods=["GET"])
+    return app

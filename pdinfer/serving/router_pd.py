@@ -1,0 +1,272 @@
+"""One prompt through a CE and a PE (the exchange of ``pd_protocol``), with retries.
+
+An attempt: reserve on the CE the decode balancer ranks first (503 no room: the next one; all
+full: wait and try again, up to ``queue_timeout_s``), pick a PE, POST the prefill while reading
+the CE's stream, relay the CE's deltas. Until a token went to the client, a failure of either
+engine (connection refused or broken, 5xx, a CE stream that ends early, a request the CE
+finished with an error) makes a new attempt elsewhere: the failed CE stream is closed, which
+makes the CE abort the reservation. Once a token went out, a failure ends the request with an
+error event. ``max_attempts`` bounds the attempts; 4xx answers are the request's fault and end
+it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from pdinfer.serving.load_balancer import Assignment, DecodeBalancer, Engine, PrefillBalancer
+from pdinfer.serving.protocol import APIError
+from pdinfer.serving.router_pool import EnginePool, RouterMetrics
+
+logger = logging.getLogger("pdinfer")
+
+_NO_ROOM_BACKOFF_S = 0.05
+
+
+class Retry(Exception):
+    """This attempt failed before any token was streamed; ``exclude`` the engine at fault."""
+
+    def __init__(self, reason: str, message: str, exclude: str | None = None):
+        super().__init__(message)
+        self.reason, self.exclude = reason, exclude
+
+
+@dataclass
+class PDJob:
+    """One prompt of a client request. The driver puts ``(index, kind, payload)`` on ``queue``:
+    ("outputs", [CE deltas]), ("done", None) or ("error", APIError)."""
+
+    index: int
+    request_id: str
+    token_ids: list[int]
+    sampling: dict
+    queue: asyncio.Queue
+    arrival_s: float = field(default_factory=time.monotonic)
+    streamed: bool = False
+    attempt: int = 0
+    first_token_s: float | None = None
+    num_tokens: int = 0  # the longest choice so far
+
+    def deliver(self, outputs: list[dict]) -> None:
+        self.queue.put_nowait((self.index, "outputs", outputs))
+        if any(d["token_ids"] for d in outputs):
+            self.streamed = True
+
+
+def _error(resp: httpx.Response, body: bytes) -> tuple[str, str | None]:
+    """(message, code) of an engine's OpenAI-shaped error answer."""
+    try:
+        error = json.loads(body)["error"]
+        return str(error["message"]), error.get("code")
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {resp.status_code}: {body[:200]!r}", None
+
+
+class PDDriver:
+    def __init__(self, pool: EnginePool, client: httpx.AsyncClient, metrics: RouterMetrics,
+                 prefill_lb: PrefillBalancer, decode_lb: DecodeBalancer, max_attempts: int = 3,
+                 queue_timeout_s: float = 60.0, engine_timeout_s: float = 600.0):
+        self.pool, self.client, self.metrics = pool, client, metrics
+        self.prefill_lb, self.decode_lb = prefill_lb, decode_lb
+        self.max_attempts = max_attempts
+        self.queue_timeout_s = queue_timeout_s
+        self.engine_timeout_s = engine_timeout_s
+
+    async def drive(self, job: PDJob) -> None:
+        """Run ``job`` to its end; every outcome, failures included, lands on its queue."""
+        try:
+            excluded: set[str] = set()
+            for job.attempt in range(1, self.max_attempts + 1):
+                try:
+                    await self._attempt(job, excluded)
+                    self._observe_finished(job)
+                    job.queue.put_nowait((job.index, "done", None))
+                    return
+                except Retry as exc:
+                    last = exc
+                    if exc.exclude:
+                        excluded.add(exc.exclude)
+                    logger.warning("router: attempt %d of %s failed (%s)", job.attempt,
+                                   job.request_id, exc)
+                    if job.attempt < self.max_attempts:
+                        self.metrics.retries.labels(reason=exc.reason).inc()
+            raise APIError(503, f"the request failed on {self.max_attempts} attempts; the last "
+                                f"one: {last}", type="server_error", code="engine_failed")
+        except APIError as exc:
+            job.queue.put_nowait((job.index, "error", exc))
+        except Exception as exc:  # a router bug: fail this request, not the router
+            logger.exception("router: request %s failed", job.request_id)
+            job.queue.put_nowait((job.index, "error", APIError(
+                500, f"router error: {exc!r}", type="server_error", code="router_error")))
+
+    def _observe_finished(self, job: PDJob) -> None:
+        now = time.monotonic()
+        self.metrics.e2e_latency.observe(now - job.arrival_s)
+        if job.first_token_s is not None and job.num_tokens > 1:
+            self.metrics.time_per_output_token.observe(
+                (now - job.first_token_s) / (job.num_tokens - 1))
+
+    # --- one attempt ----------------------------------------------------------------------------
+    async def _attempt(self, job: PDJob, excluded: set[str]) -> None:
+        body = {"request_id": f"{job.request_id}-a{job.attempt}",
+                "prompt_token_ids": job.token_ids, "sampling": job.sampling}
+        decode, response, lines, reservation = await self._reserve(body, excluded)
+        ce = decode.engine
+        prefill = self.prefill_lb.pick(job.token_ids, exclude=excluded)
+        events: asyncio.Queue = asyncio.Queue()
+        tasks = []
+        try:
+            if prefill is None:
+                raise APIError(503, "no prefill engine is available", type="server_error",
+                               code="no_prefill_engine")
+            self.metrics.routed.labels(engine=ce.url, role=ce.role).inc()
+            self.metrics.routed.labels(engine=prefill.engine.url, role="prefill").inc()
+            tasks = [asyncio.ensure_future(self._read(lines, events)),
+                     asyncio.ensure_future(self._prefill(prefill, body, reservation, events))]
+            await self._relay(job, ce, decode, events)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if prefill is not None:
+                prefill.release()
+            decode.release()
+            await response.aclose()  # the CE aborts whatever it still holds for this attempt
+
+    async def _reserve(self, body: dict, excluded: set[str]):
+        """The first CE (in balancer order) with room: (assignment, response, lines,
+        reservation). A CE is charged when picked, before the await, so a burst spreads."""
+        deadline = time.monotonic() + self.queue_timeout_s
+        while True:
+            candidates = self.decode_lb.candidates(excluded)
+            if not candidates:
+                raise APIError(503, "no completion engine is available", type="server_error",
+                               code="no_decode_engine")
+            for ce in candidates:
+                decode = self.decode_lb.assign(ce, len(body["prompt_token_ids"]))
+                reserved = None
+                try:
+                    reserved = await self._try_reserve(ce, body, excluded)
+                finally:
+                    if reserved is None:
+                        decode.release()
+                if reserved is not None:
+                    return (decode, *reserved)
+            if time.monotonic() > deadline:
+                raise APIError(503, f"every completion engine stayed full for "
+                                    f"{self.queue_timeout_s:.0f} s; retry later",
+                               type="server_overloaded", code="overloaded")
+            await asyncio.sleep(_NO_ROOM_BACKOFF_S)
+
+    async def _try_reserve(self, ce: Engine, body: dict, excluded: set[str]):
+        request = self.client.build_request("POST", f"{ce.url}/pd/decode", json=body,
+                                            timeout=httpx.Timeout(self.engine_timeout_s, connect=5))
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            self.pool.eject(ce, f"/pd/decode failed ({type(exc).__name__})")
+            excluded.add(ce.url)
+            return None
+        if response.status_code != 200:
+            error, code = _error(response, await response.aread())
+            await response.aclose()
+            if response.status_code == 503 and code == "no_room":
+                return None  # back-pressure: the next CE, or wait
+            if 400 <= response.status_code < 500:
+                raise APIError(response.status_code, error)
+            excluded.add(ce.url)
+            return None
+        lines = response.aiter_lines()
+        try:
+            async for line in lines:
+                if line.startswith("data: "):
+                    return response, lines, json.loads(line[6:])["reservation"]
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            logger.warning("router: no reservation from %s: %r", ce.url, exc)
+        await response.aclose()
+        self.pool.eject(ce, "its /pd/decode stream broke before the reservation")
+        excluded.add(ce.url)
+        return None
+
+    async def _read(self, lines, events: asyncio.Queue) -> None:
+        try:
+            async for line in lines:
+                if line.startswith("data: "):
+                    events.put_nowait(("event", json.loads(line[6:])))
+            events.put_nowait(("ce_failed", "its stream ended before the request finished"))
+        except (httpx.HTTPError, ValueError) as exc:
+            events.put_nowait(("ce_failed", f"its stream broke ({type(exc).__name__})"))
+
+    async def _prefill(self, prefill: Assignment, body: dict, reservation: dict,
+                       events: asyncio.Queue) -> None:
+        pe, start = prefill.engine, time.monotonic()
+        try:
+            resp = await self.client.post(f"{pe.url}/pd/prefill",
+                                          json={**body, "reservation": reservation},
+                                          timeout=httpx.Timeout(self.engine_timeout_s, connect=5))
+        except httpx.HTTPError as exc:
+            self.pool.eject(pe, f"/pd/prefill failed ({type(exc).__name__})")
+            events.put_nowait(("prefill_failed", Retry(
+                "prefill_engine_failed", f"the prefill engine {pe.url} failed: {exc!r}", pe.url)))
+            return
+        finally:
+            prefill.release()
+        if resp.status_code == 200:
+            self.metrics.handoff_latency.observe(time.monotonic() - start)
+            events.put_nowait(("prefilled", None))
+            return
+        error, _ = _error(resp, resp.content)
+        # The CE accepted this request, so a 4xx here is the PE's disagreement (another
+        # version, another model), and a 503 an overloaded or dying PE: try another PE.
+        # 502/504: the hand-off failed (a CE that went away is ejected by its own stream or
+        # the health checks), so any pair may try again.
+        exclude = pe.url if resp.status_code < 500 or resp.status_code == 503 else None
+        events.put_nowait(("prefill_failed", Retry(
+            "handoff_failed", f"prefill on {pe.url}: {error}", exclude)))
+
+    async def _relay(self, job: PDJob, ce: Engine, decode: Assignment,
+                     events: asyncio.Queue) -> None:
+        while True:
+            kind, item = await events.get()
+            if kind == "prefilled" or (kind == "prefill_failed" and job.streamed):
+                continue  # once tokens flow, the CE holds the K/V: the PE's answer is moot
+            if kind == "prefill_failed":
+                raise item
+            if kind == "ce_failed":
+                self.pool.eject(ce, str(item))
+                if not job.streamed:
+                    raise Retry("decode_engine_failed", f"the completion engine {ce.url}: {item}",
+                                ce.url)
+                raise APIError(502, f"the completion engine {ce.url} failed after the first "
+                                    f"tokens were streamed: {item}", type="server_error",
+                               code="engine_failed")
+            if self._on_event(job, decode, item):
+                return
+
+    def _on_event(self, job: PDJob, decode: Assignment, event: dict) -> bool:
+        """Relay one CE event; True once the request finished."""
+        outputs = event.get("outputs") or []
+        for delta in outputs:
+            if delta.get("logprobs") is not None:
+                delta["logprobs"] = [{int(k): v for k, v in d.items()} for d in delta["logprobs"]]
+        num_new = sum(len(d["token_ids"]) for d in outputs)
+        error = event.get("error") if event.get("finished") else None
+        if error and not job.streamed:
+            raise Retry("decode_error", f"the completion engine ended the request: {error}")
+        decode.add_tokens(num_new)
+        if num_new:
+            if job.first_token_s is None:
+                job.first_token_s = time.monotonic()
+                self.metrics.time_to_first_token.observe(job.first_token_s - job.arrival_s)
+            job.num_tokens += max(len(d["token_ids"]) for d in outputs)
+        if outputs:
+            job.deliver(outputs)
+        if error:
+            raise APIError(503, f"the engine could not finish the request: {error}",
+                           type="server_error", code="engine_error")
+        return bool(event.get("finished"))

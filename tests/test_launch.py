@@ -1,0 +1,227 @@
+"""`pdinfer launch --prefill 1 --decode 1`: a whole local P/D cluster from one command, driven
+with the real `openai` client. The reference for text is `LLM` in this process (itself checked
+against transformers in test_correctness); the last test stops the cluster with SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import PROMPTS, make_llm
+from servers import free_port, pdinfer_command
+
+from pdinfer import SamplingParams
+
+ENGINE = ["--kv-cache-memory", "512MiB", "--max-model-len", "1024"]
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 77}
+STARTUP_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def references():
+    """LLM texts (built and dropped before the cluster starts, to spare the 2 cores)."""
+    llm = make_llm(max_model_len=1024)
+    refs = {}
+    for name, extra in (("greedy", {"temperature": 0.0}), ("seeded", SEEDED)):
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, **extra), use_tqdm=False)
+        refs[name] = [o.outputs[0].text for o in outs]
+    refs["greedy8"] = [o.outputs[0].text for o in llm.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)]
+    refs["chat"] = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=16),
+                            use_tqdm=False)[0].outputs[0].text
+    del llm
+    return refs
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment without the role defaults an in-process engine exported
+    (EngineArgs sets PDINFER_ZERO_OVERHEAD_SCHEDULING in os.environ; a child engine would take
+    it for the operator's choice, and a PE with it on never hands over)."""
+    env = dict(os.environ, PDINFER_LOG_LEVEL="WARNING")
+    env.pop("PDINFER_ZERO_OVERHEAD_SCHEDULING", None)
+    return env
+
+
+def start_launch(args: list[str], log_dir: Path) -> subprocess.Popen:
+    err = open(log_dir / "launch.err", "w")
+    return subprocess.Popen(pdinfer_command() + ["launch", *args, "--log-dir", str(log_dir)],
+                            stdout=subprocess.PIPE, stderr=err, text=True,
+                            start_new_session=True, env=child_env())
+
+
+@pytest.fixture(scope="module")
+def cluster(references, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("launch")
+    port = free_port()
+    proc = start_launch(["--prefill", "1", "--decode", "1", "--port", str(port), *ENGINE], log_dir)
+    try:
+        lines = []
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not (lines and lines[-1].startswith("Ctrl-C")):
+            line = proc.stdout.readline()  # launch prints its URL, then a line per child
+            assert line and time.monotonic() < deadline, (log_dir / "launch.err").read_text()
+            lines.append(line.strip())
+        assert lines[0] == f"pdinfer launch: http://127.0.0.1:{port}/v1 is ready"
+        children = {}
+        for line in lines[1:-1]:  # "name  url  pid N  log PATH"
+            name, url, _, pid, *_ = line.split()
+            children[name] = {"url": url, "pid": int(pid)}
+        yield {"proc": proc, "url": f"http://127.0.0.1:{port}", "children": children,
+               "log_dir": log_dir}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=f"{cluster['url']}/v1", api_key="unused", max_retries=0,
+                         timeout=600)
+
+
+def test_completions_equal_llm_greedy_and_seeded(client, references):
+    for i in range(len(PROMPTS)):
+        greedy = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=12,
+                                           temperature=0)
+        assert greedy.choices[0].text == references["greedy"][i]
+    batch = client.completions.create(model=MODEL, prompt=PROMPTS[:5], max_tokens=12, **SEEDED)
+    assert [c.index for c in batch.choices] == list(range(5))
+    assert [c.text for c in batch.choices] == references["seeded"][:5]
+    assert 0 < batch.usage.completion_tokens <= 5 * 12
+    assert batch.usage.total_tokens == batch.usage.prompt_tokens + batch.usage.completion_tokens
+
+
+def test_chat_streams_in_several_chunks_and_n_gives_n_choices(client, references):
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    assert full.choices[0].message.content == references["chat"]
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    with_text = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(with_text) >= 3
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content for c in with_text) == references["chat"]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    two = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=8, n=2, seed=11)
+    assert sorted(c.index for c in two.choices) == [0, 1] and all(c.text for c in two.choices)
+    assert two.usage.completion_tokens == 16
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, n=2, seed=3)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def engine_kv(cluster) -> list[dict]:
+    return [httpx.get(f"{cluster['children'][name]['url']}/debug/kv", timeout=10).json()
+            for name in ("prompt-0", "completion-0")]
+
+
+def wait_all_blocks_back(cluster, timeout_s: float = 120) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        kvs = engine_kv(cluster)
+        if all(kv["free_blocks"] == kv["total_blocks"] for kv in kvs):
+            return kvs
+        assert time.monotonic() < deadline, kvs
+        time.sleep(0.2)
+
+
+def test_64_concurrent_streams_complete_and_disconnects_free_blocks(cluster, references):
+    aclient = openai.AsyncOpenAI(base_url=f"{cluster['url']}/v1", api_key="unused",
+                                 max_retries=0, timeout=600)
+
+    async def one(i: int) -> str:
+        stream = await aclient.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)],
+                                                  max_tokens=8, temperature=0, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def run_all() -> list[str]:
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await aclient.close()
+
+    texts = asyncio.run(run_all())
+    assert texts == [references["greedy8"][i % len(PROMPTS)] for i in range(64)]
+    # clients that go away midway, streamed and not: every block comes back on both engines
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 600, "ignore_eos": True}
+    with httpx.Client(timeout=120) as http:
+        for _ in range(3):
+            with http.stream("POST", f"{cluster['url']}/v1/completions",
+                             json={**body, "stream": True}) as resp:
+                assert resp.status_code == 200
+                events = 0
+                for line in resp.iter_lines():
+                    events += line.startswith("data: ")
+                    if events == 2:
+                        break
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(f"{cluster['url']}/v1/completions", json=body, timeout=3)
+    for kv in wait_all_blocks_back(cluster):
+        assert kv["free_blocks"] == kv["total_blocks"]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigterm_stops_every_child(cluster):
+    """Runs last in this module: it stops the cluster."""
+    proc = cluster["proc"]
+    pids = descendants(proc.pid)
+    assert {c["pid"] for c in cluster["children"].values()} <= pids
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(120) == 0
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in pids if alive(pid)]
+
+
+def test_a_child_dying_at_startup_stops_the_rest(tmp_path):
+    missing = str(tmp_path / "missing.gguf")  # every child's command line names it
+    proc = start_launch(["--prefill", "1", "--decode", "2", "--port", str(free_port()),
+                         "--model", missing, *ENGINE], tmp_path)
+    assert proc.wait(STARTUP_TIMEOUT_S) == 1
+    err = (tmp_path / "launch.err").read_text()
+    assert "exited with" in err and "does not exist" in err
+    left = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if missing in cmdline and alive(int(entry)):
+            left.append(entry)
+    assert not left

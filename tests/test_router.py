@@ -1,0 +1,272 @@
+"""The P/D router: its load balancers (pure Python, hand-computed expectations), then a real
+1P2D cluster (three `pdinfer serve` processes and `pdinfer router`, the real `openai` client):
+bad requests, a CE killed under load, and the same CE restarted on its port."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import PROMPTS
+from servers import Server
+
+from pdinfer.core.block_manager import ROOT_HASH, chain_hash
+from pdinfer.serving.load_balancer import (
+    Assignment,
+    DecodeBalancer,
+    Engine,
+    PrefillBalancer,
+    PrefixIndex,
+    block_hashes,
+    bucket_of,
+)
+
+ENGINE = ["--kv-cache-memory", "512MiB", "--max-model-len", "1024"]
+MODEL = "SmolLM2-135M-Instruct"
+
+
+# --- load balancers ---------------------------------------------------------------------------------
+def _engines(role: str, n: int) -> list[Engine]:
+    return [Engine(f"http://pe{i}" if role == "prefill" else f"http://ce{i}", role, healthy=True)
+            for i in range(n)]
+
+
+def test_buckets_and_chained_block_hashes():
+    assert [bucket_of(n) for n in (1, 511, 512, 2047, 2048, 8191, 8192, 10**6)] == [
+        0, 0, 1, 1, 2, 2, 3, 3]
+    ids = list(range(40))  # two full blocks of 16, 8 tokens left over
+    first = chain_hash(ROOT_HASH, ids[:16])
+    assert block_hashes(ids) == [first, chain_hash(first, ids[16:32])]
+    assert block_hashes(ids[:15]) == []
+    index = PrefixIndex(capacity_blocks=3)
+    index.add(block_hashes(ids))
+    assert index.cached_tokens(block_hashes(ids + [7] * 20)) == 32
+    assert index.cached_tokens(block_hashes([99] + ids)) == 0  # same blocks, other prefix
+    index.add(block_hashes([5] * 32))  # 2 more hashes: the oldest one is evicted (LRU)
+    assert len(index) == 3 and index.cached_tokens(block_hashes(ids)) == 0
+
+
+def test_decode_balancer_orders_by_requests_then_kv_tokens():
+    ces = _engines("decode", 3)
+    lb = DecodeBalancer(ces)
+    a = lb.assign(ces[0], 100)
+    b = lb.assign(ces[1], 10)
+    # ce2 is empty; then ce1 (1 request, 10 tokens) before ce0 (1 request, 100 tokens)
+    assert [e.url for e in lb.candidates()] == ["http://ce2", "http://ce1", "http://ce0"]
+    lb.assign(ces[2], 5).add_tokens(200)
+    assert [e.url for e in lb.candidates()] == ["http://ce1", "http://ce0", "http://ce2"]
+    b.add_tokens(95)  # ce1 now holds 105 tokens: more than ce0
+    assert [e.url for e in lb.candidates()][:2] == ["http://ce0", "http://ce1"]
+    a.release()
+    a.release()  # idempotent
+    assert (ces[0].in_flight, ces[0].kv_tokens) == (0, 0)
+    ces[0].healthy = False
+    assert [e.url for e in lb.candidates(exclude={"http://ce1"})] == ["http://ce2"]
+
+
+def test_prefill_balancer_balances_within_the_bucket_and_prefers_cached_prefixes():
+    pes = _engines("prefill", 2)
+    lb = PrefillBalancer(pes, prefix_tolerance_tokens=100)
+    long_prompt = list(range(1000))  # bucket 1
+    first = lb.pick(long_prompt)
+    assert first.engine is pes[0] and pes[0].queued_tokens[1] == 1000
+    # a short prompt (bucket 0) sees no load in its bucket on either PE: least total wins (pe1)
+    short = lb.pick([7] * 100)
+    assert short.engine is pes[1] and pes[1].queued_tokens[0] == 100
+    # the same long prompt again: pe0 holds its 62 full blocks (992 tokens), but its bucket-1
+    # load (1000) is more than pe1's (0) + tolerance (100): the least loaded PE wins
+    again = lb.pick(long_prompt)
+    assert again.engine is pes[1] and again.tokens == 1000
+    first.release()
+    # now pe0 has 0 queued bucket-1 tokens, pe1 1000; both hold the prefix: pe0 is also least
+    third = lb.pick(long_prompt + [1, 2, 3])
+    assert third.engine is pes[0] and third.tokens == 1003 - 992
+    third.release()
+    again.release()
+    # within tolerance: pe1 holds the prefix and has 50 queued bucket-1 tokens, pe0 none
+    other = list(range(5000, 5600))
+    lb.pick(other, exclude={"http://pe0"}).release()  # pe1 learns this prefix
+    pes[1].queued_tokens[1] = 50
+    chosen = lb.pick(other + [9])
+    assert chosen.engine is pes[1] and chosen.tokens == 601 - 592
+
+
+def test_prefill_balancer_skips_unhealthy_and_returns_none_without_engines():
+    pes = _engines("prefill", 2)
+    lb = PrefillBalancer(pes)
+    pes[0].healthy = False
+    assert lb.pick([1] * 20).engine is pes[1]
+    pes[1].healthy = False
+    assert lb.pick([1] * 20) is None
+    assert isinstance(Assignment(pes[0], 3, bucket=0), Assignment) and pes[0].queued_tokens[0] == 3
+
+
+# --- a real 1P2D cluster behind the router ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("router")
+    ces = [Server(["serve", "--role", "completion", *ENGINE], tmp / f"ce{i}.log") for i in range(2)]
+    pe = Server(["serve", "--role", "prompt", *ENGINE, "--kv-lease-s", "5"], tmp / "pe.log")
+    engines = [pe, *ces]
+    router = Server(["router", "--prefill", pe.url, "--decode", ces[0].url, ces[1].url,
+                     "--health-interval-s", "0.5"], tmp / "router.log")
+    for server in (*engines, router):
+        without_role_defaults(server)
+    try:
+        for server in engines:
+            server.start(wait=False)
+        for server in engines:
+            server.wait_healthy()
+        router.start()
+        wait_for(lambda: all(e["healthy"] for e in engines_seen(router.url)), "all in rotation")
+        yield {"router": router, "pe": pe, "ces": ces, "tmp": tmp}
+    finally:
+        for server in (router, pe, *ces):  # ces[1] may have been replaced by a restart
+            server.stop()
+
+
+def without_role_defaults(server: Server) -> Server:
+    """An in-process engine built earlier in the session exported its role default
+    (PDINFER_ZERO_OVERHEAD_SCHEDULING) to os.environ; a child engine must not inherit it."""
+    server.env.pop("PDINFER_ZERO_OVERHEAD_SCHEDULING", None)
+    return server
+
+
+def wait_for(condition, what: str, timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        time.sleep(0.2)
+
+
+def engines_seen(router_url: str) -> list[dict]:
+    return httpx.get(f"{router_url}/debug/engines", timeout=10).json()
+
+
+def metric(router_url: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples whose line starts with ``name``."""
+    text = httpx.get(f"{router_url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name))
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = [
+    ("completions", {"model": MODEL, "max_tokens": 4}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"model": MODEL, "prompt": 123}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": [1] * 1025}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": "word " * 1100}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    ("completions", {"model": "no-such-model", "prompt": "hi"}, 404, "model"),
+    ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("chat/completions", {"model": MODEL, "messages": CHAT, "n": 0}, 400, "n"),
+]
+
+
+def test_bad_requests_get_4xx_and_the_router_keeps_serving(cluster):
+    url = cluster["router"].url
+    for path, body, status, param in BAD_REQUESTS:
+        resp = httpx.post(f"{url}/v1/{path}", json=body, timeout=60)
+        assert resp.status_code == status, (body, resp.text)
+        error = resp.json()["error"]
+        assert error["message"] and error["param"] == param, (body, error)
+    resp = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=60,
+                      headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+    assert out.choices[0].text and out.usage.completion_tokens == 4
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def _stream_all(url: str, prompts: list[str], max_tokens: int, results: dict) -> None:
+    """One thread per request: results[i] = ("completed", tokens) or ("error", message)."""
+
+    def one(i: int) -> None:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                               timeout=300)
+        try:
+            stream = client.completions.create(
+                model=MODEL, prompt=prompts[i], max_tokens=max_tokens, temperature=0,
+                stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True})
+            usage = [chunk.usage for chunk in stream if chunk.usage]
+            results[i] = ("completed", usage[0].completion_tokens)
+        except openai.APIError as exc:
+            results[i] = ("error", str(exc))
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    results["threads"] = threads
+
+
+def test_killed_ce_under_load_every_request_ends_and_new_ones_succeed(cluster):
+    url, (survivor, victim) = cluster["router"].url, cluster["ces"]
+    retries_before = metric(url, "pdinfer_router_retries_total")
+    results: dict = {}
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(12)]
+    _stream_all(url, prompts, 48, results)
+
+    def victim_state() -> dict:
+        return next(e for e in engines_seen(url) if e["url"] == victim.url)
+
+    # kill it once it decodes: its routed tokens grow past the prompts it holds
+    wait_for(lambda: victim_state()["in_flight"] > 0, "requests on the victim")
+    prompt_tokens = victim_state()["kv_tokens"]
+    wait_for(lambda: victim_state()["kv_tokens"] > prompt_tokens + 4, "the victim decoding")
+    victim.kill()
+    for t in results["threads"]:
+        t.join(180)  # bounded: a hung request fails the test here
+    assert not any(t.is_alive() for t in results["threads"])
+    outcomes = [results[i] for i in range(len(prompts))]
+    for kind, value in outcomes:
+        assert kind == "completed" and value == 48 or kind == "error" and "engine" in value, value
+    # the victim's requests were retried elsewhere or ended with a clear error
+    errors = sum(kind == "error" for kind, _ in outcomes)
+    assert errors + metric(url, "pdinfer_router_retries_total") - retries_before > 0
+    assert metric(url, "pdinfer_router_ejections_total{engine=\"" + victim.url) >= 1
+    assert not victim_state()["healthy"]
+    # new requests succeed on the surviving CE
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    for prompt in PROMPTS[:3]:
+        assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                          temperature=0).usage.completion_tokens == 6
+    for server in (survivor, cluster["pe"]):
+        kv = server.wait_blocks_back()
+        assert kv["free_blocks"] == kv["total_blocks"]
+
+
+def test_restarted_ce_on_the_same_port_comes_back_into_rotation(cluster):
+    url, victim = cluster["router"].url, cluster["ces"][1]
+    if victim.proc is not None and victim.proc.poll() is None:
+        victim.kill()  # this test also stands alone
+    restarted = without_role_defaults(Server(["serve", "--role", "completion", *ENGINE],
+                                             cluster["tmp"] / "ce1b.log", port=victim.port))
+    cluster["ces"][1] = restarted
+    restarted.start()
+    wait_for(lambda: next(e for e in engines_seen(url) if e["url"] == victim.url)["healthy"],
+             "the restarted CE back in rotation")
+    routed = f'pdinfer_router_requests_routed_total{{engine="{victim.url}",role="decode"}}'
+    before = metric(url, routed)
+
+    async def burst() -> list[int]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                                    timeout=300)
+        try:
+            outs = await asyncio.gather(*(client.completions.create(
+                model=MODEL, prompt=PROMPTS[i], max_tokens=8, temperature=0) for i in range(6)))
+            return [o.usage.completion_tokens for o in outs]
+        finally:
+            await client.close()
+
+    assert asyncio.run(burst()) == [8] * 6
+    assert metric(url, routed) > before  # the PE re-handshook with the new instance
+    kv = restarted.wait_blocks_back()
+    assert kv["free_blocks"] == kv["total_blocks"]
