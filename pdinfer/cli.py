@@ -223,6 +223,9 @@ def add_serve_parser(subparsers) -> None:
              "PDINFER_PREFILL_ATTEMPT_INTERVAL (default: that variable, else 70)")
     add_engine_args(p)
     add_kv_transfer_args(p)
+    from pdinfer.distributed.cli_args import add_dp_args
+
+    add_dp_args(p)
     p.set_defaults(func=run_serve)
 
 
@@ -279,17 +282,24 @@ def run_serve(args: argparse.Namespace) -> int:
         # The scheduler config reads the env snapshot when the engine is built: set it first.
         os.environ["PDINFER_PREFILL_ATTEMPT_INTERVAL"] = str(args.prefill_attempt_interval)
         env.rearm("PDINFER_PREFILL_ATTEMPT_INTERVAL")
-    engine = build_engine(args)
-    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
+    if args.headless or args.data_parallel_size > 1:  # a DP group: rank processes + a front
+        from pdinfer.distributed.cli_args import front_from_args, run_headless
+
+        if args.headless:
+            return run_headless(args)
+        async_engine = engine = front_from_args(args, engine_args_from(args, role=args.role))
+    else:
+        engine = build_engine(args)
+        async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
     name = args.served_model_name or served_model_name(args.model)
     app = build_app(async_engine, name, api_key=args.api_key)
-    if engine.engine_type is EngineType.COMPLETION:
+    if async_engine.role is EngineType.COMPLETION:
         logger.info("completion engine: K/V hand-offs arrive at %s", engine.kv_address)
     async_engine.start()
     level = logger.getEffectiveLevel()
     config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5,
                             log_level="info" if level <= logging.DEBUG else "warning")
-    print(f"pdinfer serve: {name} ({engine.engine_type.name}) on http://{args.host}:{args.port}",
+    print(f"pdinfer serve: {name} ({async_engine.role.name}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     try:
         uvicorn.Server(config).run()

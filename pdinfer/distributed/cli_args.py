@@ -39,9 +39,13 @@ def front_from_args(args: argparse.Namespace, engine_args):
     """A started ``DPFront`` whose ranks are all up (raises if they could not start)."""
     from pdinfer.distributed.dp_front import DPFront, DPOptions
 
-    options = DPOptions(master_addr=args.dp_master_addr, master_port=args.dp_master_port,
-                        num_local_ranks=args.data_parallel_size_local, timeout_s=args.dp_timeout)
-    front = DPFront(engine_args, options, max_waiting=args.max_waiting)
+    try:
+        options = DPOptions(master_addr=args.dp_master_addr, master_port=args.dp_master_port,
+                            num_local_ranks=args.data_parallel_size_local,
+                            timeout_s=args.dp_timeout)
+        front = DPFront(engine_args, options, max_waiting=args.max_waiting)
+    except ValueError as exc:
+        raise SystemExit(f"pdinfer serve: {exc}") from None
     front.start()
     try:
         front.wait_ready()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import logging
 import os
 import threading
@@ -108,7 +109,8 @@ class DPFront:
             raise ValueError(f"{num_local} local ranks do not fit a DP group of {self.size}")
         if engine_args.num_threads is None and engine_args.device in ("auto", "cpu"):
             # The ranks share this host's cores: a rank may not grab all of them.
-            engine_args.num_threads = max(1, (os.cpu_count() or 1) // num_local)
+            engine_args = dataclasses.replace(
+                engine_args, num_threads=max(1, (os.cpu_count() or 1) // num_local))
         self.engine_args = engine_args
         self.max_waiting = max_waiting
         folder, hf_config = resolve_model(engine_args.model, env.get("PDINFER_CACHE_DIR"))

@@ -1,7 +1,10 @@
 """``TorchDPGroup``: the DP group of real processes, over ``torch.distributed``.
 
 The NORMAL scheduler only needs rank, size and ``all_reduce_min`` of a few ints (the interface
-is ``pdinfer.core.dp.DPGroup``). Backend: gloo on CPU, NCCL when the ranks run on GPUs.
+is ``pdinfer.core.dp.DPGroup``). Backend: gloo on CPU, NCCL when every rank has a GPU of its own (the front resolves "auto";
+ranks sharing a GPU vote over gloo). With NCCL the all-reduce runs on a side stream: the
+vote's host sync then waits for the vote alone, not for the forward still in flight on the
+default stream (zero-overhead scheduling keeps one there).
 
 Rendezvous. The DP front hosts a ``TCPStore`` at (master_addr, master_port): on one host it
 picks a free port itself; across hosts the operator passes ``--dp-master-addr/--dp-master-port``
@@ -36,8 +39,10 @@ def host_store(host: str, port: int = 0) -> dist.TCPStore:
                          timeout=timedelta(seconds=30))
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+def default_backend(device: str = "auto", exclusive_gpus: bool = True) -> str:
+    """nccl when the ranks run on GPUs, one each; gloo otherwise."""
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return "nccl" if on_gpu and exclusive_gpus and dist.is_nccl_available() else "gloo"
 
 
 class TorchDPGroup:
@@ -58,6 +63,7 @@ class TorchDPGroup:
             raise ValueError(f"DP backend must be auto, gloo or nccl, got {backend!r}")
         self.timeout_s = timeout_s
         self.device = torch.device("cpu")
+        self._stream = None
         self.num_calls = 0
         self.total_ns = 0  # time inside all_reduce_min, waiting for the slowest rank included
         self._joined = False
@@ -70,6 +76,7 @@ class TorchDPGroup:
         store.wait([f"loaded/{r}" for r in range(self.size)], startup)
         if self.backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
+            self._stream = torch.cuda.Stream(self.device)
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size,
                                 timeout=timedelta(seconds=self.timeout_s))
         self._joined = True
@@ -78,10 +85,16 @@ class TorchDPGroup:
         if not self._joined:
             raise RuntimeError("TorchDPGroup.join() first")
         start = time.perf_counter_ns()
-        tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
         try:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-            result = tensor.tolist()
+            if self._stream is None:
+                tensor = torch.tensor(values, dtype=torch.int64)
+                dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+                result = tensor.tolist()
+            else:
+                with torch.cuda.stream(self._stream):
+                    tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
+                    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+                    result = tensor.tolist()  # syncs the side stream only
         except RuntimeError as exc:
             raise DPGroupError(
                 f"DP rank {self.rank}/{self.size}: all-reduce failed (a peer died or did not "

@@ -175,7 +175,8 @@ def run_rank(cfg: RankConfig) -> int:
         RankLoop(cfg, engine, group, channel).run()
     except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
         logger.error("DP rank %d failed: %s", cfg.rank, exc, exc_info=not _is_peer_failure(exc))
-        channel.send(RankFailed(cfg.rank, cfg.generation, f"{type(exc).__name__}: {exc}"))
+        channel.send(RankFailed(cfg.rank, cfg.generation, f"{type(exc).__name__}: {exc}",
+                                peer=_is_peer_failure(exc)))
         channel.close()
         return 1
     engine.shutdown()

@@ -15,10 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 import zmq
 
-from pdinfer.distributed.dp_group import host_store
-from pdinfer.distributed.launcher import RankLauncher
+from pdinfer.distributed.dp_group import default_backend, host_store
+from pdinfer.distributed.launcher import RankLauncher, visible_devices
 from pdinfer.distributed.messages import (
     AbortRequest,
     AddRequest,
@@ -48,6 +49,7 @@ logger = logging.getLogger("pdinfer")
 
 POLL_MS = 50
 PING_INTERVAL_S = 1.0
+CAUSE_GRACE_S = 1.0  # a peer's collective can fail before the dead rank's exit is visible
 
 
 @dataclass
@@ -77,6 +79,9 @@ class GroupSupervisor:
         self.pending: list[str] = []  # request ids waiting for the group, in arrival order
         self.agents: set[bytes] = set()
         self._failure: str | None = None
+        self._failure_is_weak = False  # a consequence (a peer's failure), not the cause
+        self._failure_s = 0.0
+        self._peer_failed: set[int] = set()  # ranks whose collective failed, this generation
         self._ever_ready = False
         self._restarts: list[float] = []
         self._stopping = False
@@ -84,6 +89,23 @@ class GroupSupervisor:
         self._started_s = 0.0
         opts = self.options
         self._store = host_store(opts.master_addr, opts.master_port)
+        self._open_sockets()
+        num_local = opts.num_local_ranks or self.size
+        device = front.engine_args.device
+        backend = opts.backend
+        if backend == "auto":  # resolved once here, so every host's ranks agree
+            backend = default_backend(device, exclusive_gpus=visible_devices(num_local) is not None)
+        self.template = RankConfig(
+            rank=0, size=self.size, generation=0, master_addr=opts.master_addr,
+            master_port=self._store.port, front_address=self.front_address,
+            engine_args=engine_args_to_dict(front.engine_args), parent_pid=0,
+            backend=backend, timeout_s=opts.timeout_s,
+            startup_timeout_s=opts.startup_timeout_s, front_timeout_s=opts.heartbeat_s,
+            max_idle_sleep_ms=opts.max_idle_sleep_ms)
+        self.launcher = RankLauncher(range(num_local), self.template, device)
+
+    def _open_sockets(self) -> None:
+        opts = self.options
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -105,15 +127,6 @@ class GroupSupervisor:
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_recv, zmq.POLLIN)
-        self.template = RankConfig(
-            rank=0, size=self.size, generation=0, master_addr=opts.master_addr,
-            master_port=self._store.port, front_address=self.front_address,
-            engine_args=engine_args_to_dict(front.engine_args), parent_pid=0,
-            backend=opts.backend, timeout_s=opts.timeout_s,
-            startup_timeout_s=opts.startup_timeout_s, front_timeout_s=opts.heartbeat_s,
-            max_idle_sleep_ms=opts.max_idle_sleep_ms)
-        num_local = opts.num_local_ranks or self.size
-        self.launcher = RankLauncher(range(num_local), self.template, front.engine_args.device)
 
     # --- called from other threads ---------------------------------------------------------------
     def wake(self) -> None:
@@ -160,10 +173,15 @@ class GroupSupervisor:
     def _read_ranks(self) -> None:
         while True:
             try:
-                identity, payload = self._router.recv_multipart(zmq.NOBLOCK)
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            message = decode_to_front(payload)
+            try:
+                identity, payload = frames
+                message = decode_to_front(payload)
+            except (ValueError, msgspec.DecodeError) as exc:  # not from a rank of ours
+                logger.warning("DP front: dropped a malformed message (%s)", exc)
+                continue
             if isinstance(message, AgentHello):
                 self._on_agent(identity, message)
                 continue
@@ -177,9 +195,11 @@ class GroupSupervisor:
             elif isinstance(message, RankReady):
                 self._on_ready(message)
             elif isinstance(message, RankFailed):
-                self._fail_soon(f"DP rank {message.rank} failed: {message.error}")
+                if message.peer:
+                    self._peer_failed.add(message.rank)
+                self._fail_soon(f"DP rank {message.rank} failed: {message.error}", message.peer)
             elif isinstance(message, RankExited):
-                self._fail_soon(f"DP rank {message.rank} {_exit_reason(message.returncode)}")
+                self._on_exit(message.rank, message.returncode)
 
     def _apply_commands(self) -> None:
         commands = list(self.front.commands)
@@ -201,11 +221,12 @@ class GroupSupervisor:
     def _watch(self, now: float) -> None:
         for rank, generation, returncode in self.launcher.poll_exited():
             if generation == self.generation:
-                self._fail_soon(f"DP rank {rank} {_exit_reason(returncode)}")
+                self._on_exit(rank, returncode)
         if self.is_ready:
             for i, rank in enumerate(self.ranks):
                 if now - rank.last_seen_s > self.options.heartbeat_s:
-                    self._fail_soon(f"DP rank {i} sent nothing for {self.options.heartbeat_s:g} s")
+                    self._fail_soon(f"DP rank {i} sent nothing for {self.options.heartbeat_s:g} s",
+                                    weak=True)
         elif now - self._started_s > self.options.startup_timeout_s:
             self._fail_soon(f"the DP group did not start within {self.options.startup_timeout_s:g} s")
         if now - self._last_ping_s >= PING_INTERVAL_S:  # ranks and agents stop if we go silent
@@ -214,7 +235,8 @@ class GroupSupervisor:
                 self._send(i, Ping(self.generation))
             for agent in list(self.agents):
                 self._send_to(agent, Ping(self.generation))
-        if self._failure is not None and not self._stopping:
+        if self._failure is not None and not self._stopping and (
+                not self._failure_is_weak or now - self._failure_s >= CAUSE_GRACE_S):
             reason, self._failure = self._failure, None
             self._restart(reason)
 
@@ -284,18 +306,26 @@ class GroupSupervisor:
             self._router.send_multipart([identity, encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: that peer is gone
             if rank is not None:
-                self._fail_soon(f"DP rank {rank} is unreachable ({exc})")
+                self._fail_soon(f"DP rank {rank} is unreachable ({exc})", weak=True)
             else:
                 self.agents.discard(identity)
 
-    def _fail_soon(self, reason: str) -> None:
-        if self._failure is None:
-            self._failure = reason
+    def _on_exit(self, rank: int, returncode: int) -> None:
+        # A rank that exits after its collective failed is a consequence, not the cause.
+        self._fail_soon(f"DP rank {rank} {_exit_reason(returncode)}", rank in self._peer_failed)
+
+    def _fail_soon(self, reason: str, weak: bool = False) -> None:
+        """Record a failure, acted on at the end of the round. The cause (a rank that died,
+        or failed on its own) wins over its consequences (peers whose collective failed)."""
+        if self._failure is None or (self._failure_is_weak and not weak):
+            self._failure, self._failure_is_weak = reason, weak
+            self._failure_s = time.monotonic()
 
     def _start_generation(self) -> None:
         self.generation += 1
         now = time.monotonic()
         self.ranks = [_Rank(last_seen_s=now) for _ in range(self.size)]
+        self._peer_failed = set()
         self.is_ready = False
         self._started_s = now
         self.launcher.start(self.generation)

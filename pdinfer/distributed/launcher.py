@@ -39,7 +39,7 @@ class RankLauncher:
     def start(self, generation: int) -> None:
         """Kill what is left of older generations, then start this one's ranks."""
         self.kill()
-        devices = _visible_devices(len(self.ranks)) if self.device in ("auto", "cuda") else None
+        devices = visible_devices(len(self.ranks)) if self.device in ("auto", "cuda") else None
         for local, rank in enumerate(self.ranks):
             cfg = msgspec.structs.replace(self.template, rank=rank, generation=generation,
                                           parent_pid=os.getpid())
@@ -90,7 +90,7 @@ class RankLauncher:
         self.processes = []
 
 
-def _visible_devices(num_local: int) -> list[str] | None:
+def visible_devices(num_local: int) -> list[str] | None:
     """One GPU per rank: the i-th local rank sees the i-th visible device."""
     import torch
 

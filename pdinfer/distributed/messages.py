@@ -101,6 +101,7 @@ class RankFailed(msgspec.Struct, tag="failed"):
     rank: int
     generation: int
     error: str
+    peer: bool = False  # a collective failed: the cause is (most likely) another rank
 
 
 # --- how a rank process is started (its only argument) ----------------------------------------------

@@ -41,7 +41,8 @@ class TrackedRequest:
             outputs=self.decoder.snapshot(), finished=finished, error=error,
             metrics=RequestMetrics(arrival_time=self.arrival_s, first_token_time=self.first_token_s,
                                    finished_time=now_s if finished else None,
-                                   num_cached_tokens=num_cached_tokens))
+                                   num_cached_tokens=num_cached_tokens),
+            extra={"dp_rank": self.rank})
 
     def error_output(self, error: str, now_s: float) -> RequestOutput:
         """The final output of a request the group could not finish: what it had, every
