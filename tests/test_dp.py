@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -21,32 +20,29 @@ import time
 import httpx
 import pytest
 from conftest import PROMPTS
+from dp_helpers import (
+    TINY_CONFIG,
+    WAIT_S,
+    Client,
+    alive,
+    children,
+    ids,
+    long_params,
+    quiesce,
+    step_logs,
+    two_free_ports,
+    wait_gone,
+)
 from servers import Server
 
 from pdinfer import EngineArgs, SamplingParams
 from pdinfer.distributed.dp_front import DPFront, DPOptions
 from pdinfer.distributed.messages import OutputDecoder, OutputEncoder
 from pdinfer.distributed.replica_lb import ReplicaLoadBalancer
-from pdinfer.distributed.tracked import QueueSink
 from pdinfer.outputs import CompletionOutput, RequestOutput
 
 ALL_INTERVAL, ANY_INTERVAL = 50, 5
 MAX_NUM_SEQS = 2
-WAIT_S = 600  # liveness bound of every wait: a hang fails the test instead of blocking it
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
-    "vocab_size": 49152, "tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1,
-}
-
-
-def ids(n: int, start: int) -> dict:
-    return {"prompt_token_ids": list(range(start, start + n))}
-
-
-def long_params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -82,83 +78,6 @@ def front(tiny_model, tmp_path_factory):
         os.environ.clear()
         os.environ.update(saved)
         assert not [p for p in pids if alive(p)], "rank processes outlived the front"
-
-
-def alive(pid: int) -> bool:
-    """Running, or stopped; a zombie (dead, not yet reaped by its parent) does not count."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids: list[int]) -> list[int]:
-    """The pids still alive after a while (a process needs a moment to die)."""
-    deadline = time.monotonic() + 30
-    while [p for p in pids if alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return [p for p in pids if alive(p)]
-
-
-class Client:
-    """Submits to a front and collects outputs (latest and final) from one queue."""
-
-    def __init__(self, front: DPFront):
-        self.front, self.items = front, queue.Queue()
-        self.latest: dict[str, RequestOutput] = {}
-        self.final: dict[str, RequestOutput] = {}
-
-    def submit(self, request_id, prompt, params, rank=None, final_only=False) -> None:
-        self.front.submit(request_id, prompt, params, QueueSink(self.items),
-                          final_only=final_only, dp_rank=rank)
-
-    def pump(self, timeout_s: float = 0.0) -> None:
-        try:
-            item = self.items.get(timeout=timeout_s) if timeout_s else self.items.get_nowait()
-            while True:
-                if isinstance(item, BaseException):
-                    raise item
-                self.latest[item.request_id] = item
-                if item.finished:
-                    self.final[item.request_id] = item
-                item = self.items.get_nowait()
-        except queue.Empty:
-            pass
-
-    def tokens(self, request_id: str) -> int:
-        out = self.latest.get(request_id)
-        return len(out.outputs[0].token_ids) if out and out.outputs else 0
-
-    def wait(self, done, what: str) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not done():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            self.pump(0.05)
-
-
-def quiesce(front: DPFront) -> None:
-    """Wait until no request is left and both ranks report the same, settled step count."""
-    deadline, last = time.monotonic() + WAIT_S, None
-    while True:
-        stats = front.rank_stats()
-        steps = [s.num_steps for s in stats]
-        settled = (front.is_healthy and not front.requests and len(set(steps)) == 1
-                   and all(s.num_requests == 0 for s in stats))
-        if settled and steps == last:
-            return
-        last = steps if settled else None
-        assert time.monotonic() < deadline, "the DP group did not go idle"
-        time.sleep(1.2)  # a little over two heartbeats
-
-
-def step_logs(front: DPFront) -> list[list[tuple[str, int]]]:
-    logs = []
-    for rank in range(2):
-        path = f"{front.step_log}.rank{rank}"
-        lines = open(path).read().split() if os.path.exists(path) else []
-        logs.append([(lines[i], int(lines[i + 1])) for i in range(0, len(lines), 2)])
-    return logs
 
 
 # --- pure pieces ---------------------------------------------------------------------------------
@@ -382,11 +301,6 @@ def test_dp2_llm_output_equals_one_engine_on_the_default_model():
     _compare_dp2_with_one_engine(PROMPTS[:6], max_model_len=512, kv_cache_memory=256 << 20)
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
 def test_pdinfer_serve_data_parallel_streams_and_recovers_from_a_killed_rank(tiny_model, tmp_path):
     model, tokenizer = tiny_model
     server = Server(["serve", "--data-parallel-size", "2", "--model", model, "--tokenizer",
@@ -404,12 +318,12 @@ def test_pdinfer_serve_data_parallel_streams_and_recovers_from_a_killed_rank(tin
         metrics = httpx.get(f"{server.url}/metrics").text.splitlines()
         total = [line for line in metrics if line.startswith("pdinfer_kv_cache_total_blocks")]
         assert total and float(total[0].split()[-1]) == 2 * 32  # summed over the ranks
-        pids = _children(server.proc.pid)
+        pids = children(server.proc.pid)
         assert len(pids) == 2
         os.kill(pids[0], signal.SIGKILL)
         server.wait_healthy(WAIT_S)  # /health is 503 until the new generation is up
         deadline = time.monotonic() + WAIT_S
-        while (new := _children(server.proc.pid)) == pids or len(new) != 2:
+        while (new := children(server.proc.pid)) == pids or len(new) != 2:
             assert time.monotonic() < deadline, "the group was not restarted"
             time.sleep(0.5)
         server.wait_healthy(WAIT_S)
@@ -421,29 +335,12 @@ def test_pdinfer_serve_data_parallel_streams_and_recovers_from_a_killed_rank(tin
     assert not wait_gone(pids), "rank processes outlived `pdinfer serve`"
 
 
-def _two_free_ports() -> int:
-    """A port P with P + 1 free too (the store and the front's socket)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", port + 1))
-                    return port
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports")
-
-
 @pytest.mark.slow
 def test_ranks_of_another_host_join_through_an_agent_and_restart_with_the_group(tiny_model, tmp_path):
     from servers import pdinfer_command
 
     model, tokenizer = tiny_model
-    port = _two_free_ports()
+    port = two_free_ports()
     with open(tmp_path / "agent.log", "w") as log:  # "host 1": rank 1, started by its agent
         agent = subprocess.Popen(pdinfer_command() + [
             "serve", "--headless", "--data-parallel-size", "2", "--data-parallel-size-local", "1",
@@ -461,7 +358,7 @@ def test_ranks_of_another_host_join_through_an_agent_and_restart_with_the_group(
         client.wait(lambda: "remote" in client.final, "a request on the agent's rank")
         first = client.final["remote"]
         assert first.error is None and first.extra["dp_rank"] == 1
-        remote = _children(agent.pid)
+        remote = children(agent.pid)
         assert len(remote) == 1
         os.kill(remote[0], signal.SIGKILL)  # the remote rank dies: the whole group restarts
         deadline = time.monotonic() + WAIT_S
@@ -471,7 +368,7 @@ def test_ranks_of_another_host_join_through_an_agent_and_restart_with_the_group(
         client.submit("again", "Hello", long_params(4), rank=1)
         client.wait(lambda: "again" in client.final, "a request after the restart")
         assert client.final["again"].outputs[0].token_ids == first.outputs[0].token_ids
-        remote += _children(agent.pid)
+        remote += children(agent.pid)
     finally:
         front.shutdown()
         code = agent.wait(60)
