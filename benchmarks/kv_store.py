@@ -83,6 +83,8 @@ class Normal:
     def restart(self, store: str | None):
         if self.engine is not None:
             self.engine.shutdown()
+            self.engine = None
+            _release_memory()
         self.engine = LLMEngine(EngineArgs(kv_store=store, **self.args))
         return self.engine, self.engine, self.engine.add_request
 
@@ -107,6 +109,8 @@ class PrefillDecode:
 
         if self.pe is not None:
             self.pe.shutdown()
+            self.pe = None
+            _release_memory()
         self.ce.kv_store.flush()
         self.pe = PrefillEngine(EngineArgs(engine_type="prompt", kv_store=store,
                                            kv_transfer={"connector": "local"}, **self.args))
@@ -123,12 +127,23 @@ class PrefillDecode:
         self.ce.shutdown()
 
 
+def _release_memory() -> None:
+    """Let a restarted engine's weights and KV cache go before the next one is built."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def measure(setup, store_dir: str, prompts: list[list[int]], repeats: int) -> list[list]:
     engine, runner, add = setup.restart(store_dir)  # the warm-up engine: saves the prefix
     first_token_s(runner, add, "warm-up", prompts[0])
     rows = []
     for mode in ("off", "store"):
-        ttft, local, cached, loaded_mib = [], [], [], []
+        ttft, local, cached, loaded_mib, load_ms = [], [], [], [], []
         for r in range(repeats):
             engine, runner, add = setup.restart(store_dir if mode == "store" else None)
             first_token_s(runner, add, f"warm-{mode}-{r}", [11, 12, 13, 14, 15, 16, 17, 18])
@@ -136,10 +151,13 @@ def measure(setup, store_dir: str, prompts: list[list[int]], repeats: int) -> li
             ttft.append(seconds)
             cached.append(seq.num_cached_tokens)
             if engine.kv_store is not None:
-                loaded_mib.append(engine.kv_store.stats()["bytes_read"] / 2**20)
+                stats = engine.kv_store.stats()
+                loaded_mib.append(stats["bytes_read"] / 2**20)
+                load_ms.append(stats["load_ms"])
             local.append(first_token_s(runner, add, f"{mode}-{r}-local", prompts[2 + 2 * r])[0])
-        rows.append([mode, len(prompts[1]), statistics.median(cached),
+        rows.append([mode, len(prompts[1]), int(statistics.median(cached)),
                      f"{statistics.median(loaded_mib):.0f}" if loaded_mib else "-",
+                     f"{statistics.median(load_ms):.0f}" if load_ms else "-",
                      f"{statistics.median(ttft) * 1e3:.0f}", f"{min(ttft) * 1e3:.0f}",
                      f"{statistics.median(local) * 1e3:.0f}"])
     setup.close()
@@ -156,8 +174,10 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--store", default=None, help="store directory (default: a temp dir)")
     args = parser.parse_args()
+    room = args.prefix_tokens + 256
     engine_args = dict(model=args.model, load_format=args.load_format, device=args.device,
-                       num_kv_blocks=4 * (args.prefix_tokens // 16 + 8), max_num_batched_tokens=8192)
+                       num_kv_blocks=4 * room // 16, max_model_len=room, max_num_batched_tokens=room,
+                       max_num_seqs=8)
     store_dir = args.store or tempfile.mkdtemp(prefix="pdinfer-kv-store-")
     setup = PrefillDecode(engine_args, store_dir) if args.pd else Normal(engine_args)
     from pdinfer import env
@@ -173,7 +193,7 @@ def main() -> None:
     print(f"## KV store TTFT: {'restarted PE -> CE' if args.pd else 'restarted NORMAL engine'}, "
           f"{len(prefix)}-token shared prefix, {device}, store {store_dir}\n")
     rows = measure(setup, store_dir, prompts, args.repeats)
-    print_table(rows, ["store", "prompt tokens", "cached tokens", "MiB loaded", "TTFT ms (median)",
+    print_table(rows, ["store", "prompt tokens", "cached tokens", "MiB loaded", "read ms", "TTFT ms (median)",
                        "TTFT ms (best)", "local-cache TTFT ms"])
 
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from pdinfer.engine_type import EngineType
+from pdinfer.kv_store.loader import BlockLoader
 from pdinfer.kv_store.saver import BackgroundSaver, SaveJob
 from pdinfer.kv_store.store import KVStore, layout_namespace, open_store
 from pdinfer.sequence import Sequence
@@ -35,15 +35,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pdinfer")
 
-DEFAULT_MAX_PENDING_SAVE_BYTES = 256 << 20
-_LOAD_THREADS = 4  # reads and checksums release the GIL: fetch blocks in parallel
+MIN_PENDING_SAVE_BYTES = 256 << 20  # saves waiting for the store: at least this much...
+MAX_PENDING_SAVE_BYTES = 4 << 30  # ...and room for one longest sequence, up to this much
+_SAVE_CHUNK_BLOCKS = 64  # one copy + job per this many blocks: a long sequence saves in part
 _KNOWN_KEYS = 1 << 16  # keys known to be stored: saves skip them without asking the store...
 _KNOWN_TTL_S = 10.0  # ...for this long (the store may evict them meanwhile)
 
 
 class KVStoreAgent:
     def __init__(self, engine: LLMEngine, store: KVStore, save_interval_tokens: int = 0,
-                 max_pending_save_bytes: int = DEFAULT_MAX_PENDING_SAVE_BYTES):
+                 max_pending_save_bytes: int | None = None):
         self.engine = engine
         self.store = store
         self.block_manager = engine.block_manager
@@ -52,15 +53,22 @@ class KVStoreAgent:
         self.save_interval_tokens = save_interval_tokens
         # Loaded blocks reach a prefill only through the prefix cache.
         self.loads = engine.engine_type is not EngineType.COMPLETION and self.block_manager.enable_prefix_caching
-        self._readers = ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="pdinfer-kv-load") if self.loads else None
+        if engine.engine_type is not EngineType.COMPLETION and not self.loads:
+            logger.warning("KV store: prefix caching is off, so this engine never loads from the store")
+        max_blocks = self.block_manager.blocks_for(engine.scheduler_config.max_model_len)
+        self.loader = BlockLoader(store, self.cache, max_blocks) if self.loads else None
         self.saver = None
         if engine.engine_type is not EngineType.PROMPT:  # a PE's prompts are saved by their CE
+            if max_pending_save_bytes is None:
+                max_pending_save_bytes = min(MAX_PENDING_SAVE_BYTES, max(
+                    MIN_PENDING_SAVE_BYTES, max_blocks * self.cache.bytes_per_block))
             self.saver = BackgroundSaver(store, max_pending_save_bytes, self._payloads)
         self._looked_up: set[int] = set()  # waiting sequences already looked up
         self._saved_upto: dict[int, int] = {}  # running sequence -> leading blocks saved
         self._known: OrderedDict[bytes, float] = OrderedDict()  # key -> when it was seen stored
         self.loaded_blocks = 0
         self.loaded_requests = 0
+        self.load_seconds = 0.0  # engine-thread time spent looking up and reading the store
 
     @classmethod
     def create(cls, engine: LLMEngine) -> KVStoreAgent | None:
@@ -93,7 +101,9 @@ class KVStoreAgent:
             if seq.seq_id in self._looked_up or seq.num_tokens > scheduler.config.prompt_limit:
                 continue
             self._looked_up.add(seq.seq_id)
+            start = time.perf_counter()
             budget -= seq.num_tokens - self._load(seq)
+            self.load_seconds += time.perf_counter() - start
 
     def _load(self, seq: Sequence) -> int:
         """Load what the store adds to the local prefix of ``seq``; returns the tokens cached now."""
@@ -102,38 +112,27 @@ class KVStoreAgent:
         local = bm.lookup_prefix(seq)
         start = len(local)
         pinned = bm.share(local)  # keep our own prefix out of the blocks we are about to take
+        loaded = 0
         try:
-            payloads = self._fetch(hashes[start : start + bm.num_free_blocks])
-            if payloads:
-                self._write(payloads, hashes[start : start + len(payloads)])
-                self.loaded_requests += 1
+            keys = hashes[start : start + bm.num_free_blocks]
+            for blocks, chunk_keys in self.loader.chunks(keys[: self.store.stored_run(keys)]):
+                self.loader.hold(self._write(blocks, chunk_keys))
+                loaded += len(chunk_keys)
+            self.loaded_requests += int(loaded > 0)
         finally:
             bm.free_blocks(pinned)
-        return (start + len(payloads)) * bs
+        return (start + loaded) * bs
 
-    def _fetch(self, keys: list[bytes]) -> list:
-        """Payloads of the longest run of ``keys`` that the store has, intact, from the first."""
-        payloads = self.store.get_run(keys, self._readers)
-        size = self.cache.bytes_per_block
-        for i, payload in enumerate(payloads):
-            if len(payload) != size:  # cannot happen within one layout; never trust it blindly
-                return payloads[:i]
-        return payloads
-
-    def _write(self, payloads: list, keys: list[bytes]) -> None:
+    def _write(self, blocks: torch.Tensor, keys: list[bytes]) -> Future:
         bm, cache = self.block_manager, self.cache
-        block_ids = bm.allocate_blocks(len(payloads))
-        pinned = cache.device.type == "cuda"
-        blocks = torch.empty((len(payloads), *cache.block_shape), dtype=cache.dtype, pin_memory=pinned)
-        flat, size = blocks.view(-1).view(torch.uint8).numpy(), cache.bytes_per_block
-        for i, payload in enumerate(payloads):
-            flat[i * size : (i + 1) * size] = np.frombuffer(payload, dtype=np.uint8)
-        # In step order: after any step still reading these blocks, before the next forward.
-        self.engine.executor.submit_call(cache.write_blocks, block_ids, blocks)
+        block_ids = bm.allocate_blocks(len(keys))
+        # In step order: after any step or copy still using these blocks, before the next forward.
+        write = self.engine.executor.submit_call(cache.write_blocks, block_ids, blocks)
         bm.adopt_cached_blocks(block_ids, keys)
         self.loaded_blocks += len(block_ids)
         for key in keys:
             self._remember(key)
+        return write
 
     # --- save ------------------------------------------------------------------------------------
     def save(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
@@ -146,6 +145,25 @@ class KVStoreAgent:
                 done = self._saved_upto.get(seq.seq_id, 0)
                 if not seq.is_finished and seq.num_computed_tokens - done * self.block_size >= self.save_interval_tokens:
                     jobs.append((seq, done))
+        block_ids, keys = self._unsaved_blocks(jobs)
+        if len(self._saved_upto) > 2 * self.engine.scheduler_config.max_num_seqs:
+            running = {seq.seq_id for seq in self.engine.scheduler.running}
+            self._saved_upto = {k: v for k, v in self._saved_upto.items() if k in running}
+        for i in range(0, len(block_ids), _SAVE_CHUNK_BLOCKS):  # leading blocks first
+            ids, chunk_keys = block_ids[i : i + _SAVE_CHUNK_BLOCKS], keys[i : i + _SAVE_CHUNK_BLOCKS]
+            nbytes = len(ids) * self.cache.bytes_per_block
+            if not self.saver.has_room(nbytes):
+                self.saver.drop(len(block_ids) - i)  # never make decode wait for the store
+                return
+            # Behind the step in flight (which may still write these blocks), before
+            # finalize_seq can free them and any later step reuse them.
+            copy = self.engine.executor.submit_call(self.cache.read_blocks_async, ids)
+            if self.saver.submit(SaveJob(chunk_keys, copy, nbytes)):
+                for key in chunk_keys:
+                    self._remember(key)
+
+    def _unsaved_blocks(self, jobs: list[tuple[Sequence, int]]) -> tuple[list[int], list[bytes]]:
+        """(block ids, keys) of the full blocks past each job's start that the store lacks."""
         block_ids, keys, seen = [], [], set()
         for seq, start in jobs:
             upto = self._full_blocks(seq)
@@ -157,21 +175,7 @@ class KVStoreAgent:
                     keys.append(hashes[i])
             if not seq.is_finished:
                 self._saved_upto[seq.seq_id] = upto
-        if len(self._saved_upto) > 2 * self.engine.scheduler_config.max_num_seqs:
-            running = {seq.seq_id for seq in self.engine.scheduler.running}
-            self._saved_upto = {k: v for k, v in self._saved_upto.items() if k in running}
-        if not block_ids:
-            return
-        nbytes = len(block_ids) * self.cache.bytes_per_block
-        if not self.saver.has_room(nbytes):
-            self.saver.drop(len(block_ids))  # never make decode wait for the store
-            return
-        # Behind the step in flight (which may still write these blocks), before finalize_seq
-        # can free them and any later step reuse them.
-        copy = self.engine.executor.submit_call(self.cache.read_blocks_async, block_ids)
-        if self.saver.submit(SaveJob(keys, copy, nbytes)):
-            for key in keys:
-                self._remember(key)
+        return block_ids, keys
 
     def _full_blocks(self, seq: Sequence) -> int:
         """Leading blocks of ``seq`` that are full of K/V of known tokens."""
@@ -203,7 +207,8 @@ class KVStoreAgent:
     # --- metrics and lifetime --------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         stats = self.store.stats()
-        stats.update(loaded_blocks=self.loaded_blocks, loaded_requests=self.loaded_requests)
+        stats.update(loaded_blocks=self.loaded_blocks, loaded_requests=self.loaded_requests,
+                     load_ms=round(self.load_seconds * 1e3))
         if self.saver is not None:
             stats.update(saved_blocks=self.saver.saved_blocks, dropped_saves=self.saver.dropped_blocks,
                          failed_saves=self.saver.failed_blocks, pending_save_bytes=self.saver.pending_bytes)
@@ -214,8 +219,8 @@ class KVStoreAgent:
         return self.saver is None or self.saver.flush(timeout)
 
     def close(self) -> None:
-        if self._readers is not None:
-            self._readers.shutdown()
+        if self.loader is not None:
+            self.loader.close()
         if self.saver is not None:
             self.saver.close()
         self.store.close()

@@ -41,8 +41,8 @@ def _with_header_crc(body: bytes) -> bytes:
     return body[:crc_at] + struct.pack("<I", zlib.crc32(body[:crc_at])) + body[crc_at + 4 :]
 
 
-def read_block(f: BinaryIO, ns_digest: bytes, key: bytes) -> bytes | None:
-    """The payload of an open block file, or None if anything about it is wrong."""
+def _read_header(f: BinaryIO, ns_digest: bytes, key: bytes) -> tuple[int, int] | None:
+    """(payload bytes, payload crc32) from a block file's header, if the header checks out."""
     header = f.read(HEADER_BYTES)
     if len(header) != HEADER_BYTES:
         return None
@@ -51,9 +51,26 @@ def read_block(f: BinaryIO, ns_digest: bytes, key: bytes) -> bytes | None:
         return None
     if _with_header_crc(header) != header or ns != ns_digest or stored_key != key:
         return None
-    payload = f.read(nbytes)
-    if len(payload) != nbytes or f.read(1):  # truncated, or trailing bytes
+    return nbytes, payload_crc
+
+
+def read_block(f: BinaryIO, ns_digest: bytes, key: bytes) -> bytes | None:
+    """The payload of an open block file, or None if anything about it is wrong."""
+    header = _read_header(f, ns_digest, key)
+    if header is None:
         return None
-    if zlib.crc32(payload) != payload_crc:
+    payload = f.read(header[0])
+    if len(payload) != header[0] or f.read(1):  # truncated, or trailing bytes
         return None
-    return payload
+    return payload if zlib.crc32(payload) == header[1] else None
+
+
+def read_block_into(f: BinaryIO, ns_digest: bytes, key: bytes, out: memoryview) -> bool:
+    """Read an open block file's payload straight into ``out`` (exactly its size); False if
+    anything about it is wrong (``out`` then holds garbage)."""
+    header = _read_header(f, ns_digest, key)
+    if header is None or header[0] != out.nbytes:
+        return False
+    if f.readinto(out) != out.nbytes or f.read(1):
+        return False
+    return zlib.crc32(out) == header[1]

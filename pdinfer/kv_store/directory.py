@@ -24,7 +24,13 @@ import secrets
 import threading
 import time
 
-from pdinfer.kv_store.blockfile import check_key, encode_header, namespace_digest, read_block
+from pdinfer.kv_store.blockfile import (
+    check_key,
+    encode_header,
+    namespace_digest,
+    read_block,
+    read_block_into,
+)
 from pdinfer.kv_store.store import KVStore
 
 logger = logging.getLogger("pdinfer")
@@ -68,14 +74,28 @@ class DirectoryStore(KVStore):
         except OSError:  # absent, removed meanwhile, or unreadable
             self._count(misses=1)
             return None
-        if payload is None:
+        return payload if self._after_read(path, inode, None if payload is None else len(payload)) else None
+
+    def get_into(self, key: bytes, out: memoryview) -> bool:
+        path = self.path_of(key)
+        try:
+            with open(path, "rb") as f:
+                ok = read_block_into(f, self._ns_digest, key, out)
+                inode = os.fstat(f.fileno()).st_ino
+        except OSError:
+            self._count(misses=1)
+            return False
+        return self._after_read(path, inode, out.nbytes if ok else None)
+
+    def _after_read(self, path: str, inode: int, nbytes: int | None) -> bool:
+        if nbytes is None:
             logger.warning("KV store: %s failed verification; deleted, will be recomputed", path)
             _discard_if_same(path, inode)
             self._count(misses=1, corrupt=1)
-            return None
+            return False
         _touch(path)
-        self._count(hits=1, bytes_read=len(payload))
-        return payload
+        self._count(hits=1, bytes_read=nbytes)
+        return True
 
     def put(self, key: bytes, payload) -> bool:
         check_key(key)

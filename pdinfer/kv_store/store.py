@@ -88,22 +88,34 @@ class KVStore(ABC):
             for name, delta in deltas.items():
                 setattr(self.counters, name, getattr(self.counters, name) + delta)
 
-    def get_run(self, keys: Sequence[bytes], executor: Executor | None = None) -> list[bytes]:
-        """Payloads of the longest run of ``keys``, from the first, that are stored and intact.
-        With an ``executor`` the blocks are read in parallel (reads and checksums release the
-        GIL). The key that ends the run counts as one miss."""
-        stored = 0
-        for key in keys:
+    def get_into(self, key: bytes, out: memoryview) -> bool:
+        """Read the verified payload of ``key`` into ``out`` (exactly its size); False on a
+        miss. Backends that can read straight into ``out`` override this."""
+        payload = self.get(key)
+        if payload is None or len(payload) != out.nbytes:
+            return False
+        out[:] = payload
+        return True
+
+    def stored_run(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are stored (existence only; the key that ends
+        the run counts as one miss)."""
+        for i, key in enumerate(keys):
             if not self.contains(key):
                 self._count(misses=1)
-                break
-            stored += 1
-        payloads = []
-        for payload in (executor.map if executor else map)(self.get, keys[:stored]):
-            if payload is None:  # vanished or corrupt since: the run ends here
-                break
-            payloads.append(payload)
-        return payloads
+                return i
+        return len(keys)
+
+    def read_run(self, keys: Sequence[bytes], outs: Sequence[memoryview],
+                 executor: Executor | None = None) -> int:
+        """Read ``keys[i]`` into ``outs[i]``; returns how many from the first were read intact.
+        With an ``executor`` the blocks are read in parallel (reads and checksums release the
+        GIL)."""
+        done = (executor.map if executor else map)(self.get_into, keys, outs)
+        for i, ok in enumerate(done):
+            if not ok:  # vanished or corrupt since the lookup: the run ends here
+                return i
+        return len(keys)
 
     def longest_stored_prefix(self, token_ids: Sequence[int]) -> int:
         """Tokens of ``token_ids`` whose K/V a prefill could load from here: the longest run of
@@ -153,6 +165,16 @@ class TieredStore(KVStore):
             if payload is not None:
                 self.front.put(key, payload)
         return payload
+
+    def get_into(self, key: bytes, out: memoryview) -> bool:
+        payload = self.front.get(key)
+        if payload is not None and len(payload) == out.nbytes:
+            out[:] = payload
+            return True
+        if not self.back.get_into(key, out):
+            return False
+        self.front.put(key, out)
+        return True
 
     def put(self, key: bytes, payload) -> bool:
         written = self.back.put(key, payload)
