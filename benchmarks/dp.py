@@ -20,6 +20,7 @@ Vote cost, two ways:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -28,7 +29,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import OtherCpuLoad, make_prompts, print_table, wait_for_idle_cpu  # noqa: E402
+from workload import _machine_cpu_seconds, make_prompts, print_table, wait_for_idle_cpu  # noqa: E402
+
+# One prefill step takes every prompt in all configurations (the default budget of 4096 tokens
+# would split DP-1's prefill over two ALL points, 70 decode steps apart, and flatter DP-2).
+BUDGET_TOKENS = 16384
 
 _FLOOR_SCRIPT = textwrap.dedent("""
     import sys, time, torch
@@ -62,18 +67,34 @@ def allreduce_floor(iters: int) -> dict:
             "allreduce_p50_us": p50}
 
 
-def _run(llm, prompts, params) -> tuple[float, int, float]:
-    with OtherCpuLoad() as load:
-        start = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        wall = time.perf_counter() - start
-    return wall, sum(len(o.outputs[0].token_ids) for o in outputs), load.fraction
+def _cpu_seconds(pids: list[int]) -> float:
+    """CPU time of this process and of ``pids`` (the rank processes)."""
+    total = time.process_time()
+    hz = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / hz  # utime, stime
+    return total
+
+
+def _run(llm, prompts, params, pids: list[int]) -> tuple[float, int, float]:
+    """Wall time, output tokens, and the share of machine CPU that *other* processes took."""
+    busy0, total0 = _machine_cpu_seconds()
+    own0 = _cpu_seconds(pids)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    busy1, total1 = _machine_cpu_seconds()
+    others = (busy1 - busy0) - (_cpu_seconds(pids) - own0)
+    return wall, sum(len(o.outputs[0].token_ids) for o in outputs), max(0.0, others / (total1 - total0))
 
 
 def run_dp1(prompts, params, threads: int) -> dict:
     from pdinfer import LLM
 
-    llm = LLM(max_model_len=1024, kv_cache_memory=512 << 20, num_threads=threads)
+    llm = LLM(max_model_len=1024, max_num_batched_tokens=BUDGET_TOKENS,
+              kv_cache_memory=512 << 20, num_threads=threads)
     steps = {"n": 0}
     step = llm.engine.step
 
@@ -84,7 +105,7 @@ def run_dp1(prompts, params, threads: int) -> dict:
     llm.engine.step = counted
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], params, use_tqdm=False)  # warm-up
     steps["n"] = 0
-    wall, tokens, other = _run(llm, prompts, params)
+    wall, tokens, other = _run(llm, prompts, params, [])
     llm.engine.shutdown()
     return {"config": "dp1", "ranks": 1, "threads_per_rank": threads, "wall_s": wall,
             "output_tokens": tokens, "output_tok_s": tokens / wall, "steps": steps["n"],
@@ -97,7 +118,7 @@ def run_front(prompts, params, size: int, threads: int) -> dict:
     from pdinfer.engine.llm import LLM
 
     args = EngineArgs(data_parallel_size=size, max_model_len=1024, kv_cache_memory=512 << 20,
-                      num_threads=threads)
+                      max_num_batched_tokens=BUDGET_TOKENS, num_threads=threads)
     llm = LLM.__new__(LLM)  # LLM's generate over a client of any size (LLM() picks one for size > 1)
     llm.engine = DPEngineClient(args)
     llm.tokenizer = llm.engine.tokenizer
@@ -106,7 +127,7 @@ def run_front(prompts, params, size: int, threads: int) -> dict:
         llm.generate([{"prompt_token_ids": prompts[0][:8]}], params, use_tqdm=False)  # warm-up
         time.sleep(1.2)  # a fresh heartbeat: the stats below are the state before the run
         before = front.rank_stats()
-        wall, tokens, other = _run(llm, prompts, params)
+        wall, tokens, other = _run(llm, prompts, params, front.rank_pids())
         time.sleep(1.2)
         after = front.rank_stats()
     finally:
@@ -136,8 +157,6 @@ def main() -> None:
     parser.add_argument("--only", default="floor,dp1,dp1-front,dp2")
     args = parser.parse_args()
 
-    import os
-
     from pdinfer import SamplingParams
     from pdinfer.engine.llm_engine import LLMEngine  # noqa: F401  (import cost outside timings)
     from pdinfer.models.loader import load_tokenizer, resolve_model
@@ -166,6 +185,15 @@ def main() -> None:
                        "ms_per_step", "allreduce_per_step", "us_per_allreduce",
                        "allreduce_p50_us", "us_allreduce_per_step", "vote_share_pct",
                        "other_cpu_frac"])
+    floor = next((r for r in rows if r["config"] == "allreduce floor"), None)
+    for row in rows:
+        if floor and "allreduce_per_step" in row and row["ranks"] > 1:
+            own = row["allreduce_per_step"] * floor["allreduce_p50_us"]
+            print(f"\n{row['config']}: the vote's own cost is about {own:,.0f} us per step "
+                  f"({row['allreduce_per_step']:.1f} all-reduces x {floor['allreduce_p50_us']:,.0f} us "
+                  f"floor, {100 * own / (1e3 * row['ms_per_step']):.2f}% of a step); the "
+                  f"{row['us_allreduce_per_step']:,.0f} us measured inside the step also holds "
+                  "the wait for the slower rank")
 
 
 if __name__ == "__main__":

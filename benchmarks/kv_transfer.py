@@ -38,36 +38,44 @@ KV_SHAPES = {
 BLOCK_TOKENS = 16
 
 
-def transport(lengths: list[int], repeats: int, connector: str) -> list[list]:
+def transport(lengths: list[int], repeats: int, connectors: list[str]) -> list[list]:
+    """Best and median GB/s per connector; repeats alternate between connectors, so all of them
+    see the same machine load."""
     rows = []
     for model, per_token in KV_SHAPES.items():
         block_bytes = per_token * BLOCK_TOKENS
         num_blocks = -(-max(lengths) // BLOCK_TOKENS)
-        ce, pe, cache = _pair(connector, block_bytes, num_blocks)
-        instance = pe.connect(ce.address)
+        pairs = {c: _pair(c, block_bytes, num_blocks) for c in connectors}
         for n in lengths:
             rng = np.random.default_rng(n)
             blocks = rng.permutation(num_blocks)[: -(-n // BLOCK_TOKENS)].tolist()
             payload = rng.integers(0, 255, size=len(blocks) * block_bytes, dtype=np.uint8)
-            times = []
+            times: dict[str, list[float]] = {c: [] for c in connectors}
             for r in range(repeats):
-                start = time.perf_counter()
-                push = KVPush(transfer_id=f"{n}-{r}", request_id="x", instance_id=instance,
-                              num_tokens=n, first_token=0, first_tokens=[0], seed=0,
-                              block_ids=blocks, nbytes=payload.nbytes, checksum=checksum(payload))
-                pe.send(ce.address, push, payload)
-                arrival = _wait(ce.receive)
-                received = [cache[b] for b in blocks] if ce.writes_in_place else [arrival.payload]
-                assert checksum_blocks(received) == arrival.push.checksum
-                ce.confirm(arrival, ok=True)
-                assert _wait(pe.events).ok
-                times.append(time.perf_counter() - start)
-            best = min(times)
-            rows.append([connector, model, n, f"{payload.nbytes / 2**20:.1f}", f"{best * 1e3:.1f}",
-                         f"{payload.nbytes / best / 1e9:.2f}"])
-        pe.close()
-        ce.close()
-    return rows
+                for c in connectors:
+                    times[c].append(_push_once(*pairs[c], f"{n}-{r}", n, blocks, payload))
+            for c in connectors:
+                best, median = min(times[c]), float(np.median(times[c]))
+                rows.append([c, model, n, f"{payload.nbytes / 2**20:.1f}", f"{best * 1e3:.1f}",
+                             f"{payload.nbytes / best / 1e9:.2f}", f"{payload.nbytes / median / 1e9:.2f}"])
+        for ce, pe, _, _ in pairs.values():
+            pe.close()
+            ce.close()
+    return sorted(rows, key=lambda row: connectors.index(row[0]))
+
+
+def _push_once(ce, pe, cache, instance, transfer_id, n, blocks, payload) -> float:
+    start = time.perf_counter()
+    push = KVPush(transfer_id=transfer_id, request_id="x", instance_id=instance, num_tokens=n,
+                  first_token=0, first_tokens=[0], seed=0, block_ids=blocks, nbytes=payload.nbytes,
+                  checksum=checksum(payload))
+    pe.send(ce.address, push, payload)
+    arrival = _wait(ce.receive)
+    received = [cache[b] for b in blocks] if ce.writes_in_place else [arrival.payload]
+    assert checksum_blocks(received) == arrival.push.checksum
+    ce.confirm(arrival, ok=True)
+    assert _wait(pe.events).ok
+    return time.perf_counter() - start
 
 
 def _pair(connector: str, block_bytes: int, num_blocks: int):
@@ -85,7 +93,7 @@ def _pair(connector: str, block_bytes: int, num_blocks: int):
     ce.register_kv_cache(cache)
     for c in (ce, pe):
         c.register(layout)
-    return ce, pe, cache.numpy()
+    return ce, pe, cache.numpy(), pe.connect(ce.address)
 
 
 def _wait(poll):
@@ -97,38 +105,34 @@ def _wait(poll):
 
 
 def ttft(lengths: list[int], repeats: int, connectors: list[str]) -> list[list]:
+    """One PE/CE pair at a time (memory); NORMAL runs the same prompts alongside each pair."""
     from pdinfer import EngineArgs, LLMEngine, SamplingParams
     from pdinfer.engine.completion_engine import CompletionEngine
     from pdinfer.engine.pd_pair import PDPair
     from pdinfer.engine.prefill_engine import PrefillEngine
 
-    mem = 2 << 30
-    common = dict(kv_cache_memory=mem, enable_prefix_caching=False, max_num_batched_tokens=8192)
+    common = dict(kv_cache_memory=2 << 30, enable_prefix_caching=False, max_num_batched_tokens=8192)
     normal = LLMEngine(EngineArgs(**common))
-    pairs = {c: PDPair(PrefillEngine(EngineArgs(engine_type="prompt", kv_transfer={"connector": c},
-                                                **common)),
-                       CompletionEngine(EngineArgs(engine_type="completion", kv_transfer={"connector": c},
-                                                   **common)))
-             for c in connectors}
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    rng = np.random.default_rng(0)
     rows = []
-    for n in lengths:
-        t_normal, t_pd = [], {c: [] for c in connectors}
-        for r in range(repeats):
-            ids = rng.integers(100, 40000, size=n).tolist()
-            t_normal.append(_first_token_time(normal, f"n{n}-{r}", ids, params, normal.add_request))
-            for c, pair in pairs.items():
-                t_pd[c].append(_first_token_time(pair, f"p{n}-{r}", ids, params, pair.add_request))
-        a = float(np.median(t_normal))
-        for c in connectors:
-            b = float(np.median(t_pd[c]))
+    for c in connectors:
+        kv = {"connector": c}
+        pair = PDPair(PrefillEngine(EngineArgs(engine_type="prompt", kv_transfer=kv, **common)),
+                      CompletionEngine(EngineArgs(engine_type="completion", kv_transfer=kv, **common)))
+        for n in lengths:
+            t_normal, t_pd = [], []
+            for r in range(repeats):
+                ids = np.random.default_rng(n * 100 + r).integers(100, 40000, size=n).tolist()
+                t_normal.append(_first_token_time(normal, f"n{c}{n}-{r}", ids, params, normal.add_request))
+                t_pd.append(_first_token_time(pair, f"p{c}{n}-{r}", ids, params, pair.add_request))
+            a, b = float(np.median(t_normal)), float(np.median(t_pd))
             rows.append([c, n, f"{a * 1e3:.0f}", f"{b * 1e3:.0f}", f"{(b - a) * 1e3:.0f}",
                          f"{(b / a - 1) * 100:+.1f}%"])
-    for c, pair in pairs.items():
         stats = pair.pe.handoff_stats
         print(f"{c} hand-offs: {stats['count']}, {stats['bytes'] / 2**20:.1f} MiB, "
               f"mean push->ack {stats['seconds'] / max(stats['count'], 1) * 1e3:.1f} ms")
+        pair.pe.shutdown()
+        pair.ce.shutdown()
     return rows
 
 
@@ -154,8 +158,8 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     connectors = args.connector.split(",")
     print("## Transport on 127.0.0.1 (checksum + send + verify + ack)\n")
-    print_table([row for c in connectors for row in transport(lengths, args.repeats, c)],
-                ["connector", "KV layout", "tokens", "MiB", "ms", "GB/s"])
+    print_table(transport(lengths, args.repeats, connectors),
+                ["connector", "KV layout", "tokens", "MiB", "best ms", "best GB/s", "median GB/s"])
     print("\n## TTFT: NORMAL vs PE -> CE (default model, both engines in one process)\n")
     print_table(ttft([int(x) for x in args.ttft_lengths.split(",")], args.repeats, connectors),
                 ["connector", "prompt tokens", "NORMAL ms", "PE->CE ms", "added ms", "added"])

@@ -132,6 +132,19 @@ def set_role_default(name: str, value: str) -> None:
         _role_defaults[name] = value
 
 
+def child_environ(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """``os.environ`` for a child process, without the role defaults pdinfer exported itself.
+
+    ``set_role_default`` writes into ``os.environ`` (the seed's ``setdefault``), and a child
+    process inherits it. There it would look like an operator's explicit value and override the
+    child's own role: a PROMPT engine spawned after an in-process NORMAL engine would run with
+    zero-overhead scheduling on. Every process pdinfer spawns gets its environment from here.
+    """
+    environ = {k: v for k, v in os.environ.items() if _role_defaults.get(k) != v}
+    environ.update(extra or {})
+    return environ
+
+
 def get(name: str) -> Any:
     if name not in _VARS:
         raise KeyError(f"{name} is not a declared pdinfer environment variable")

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from pdinfer.env import child_environ
+
 STARTUP_TIMEOUT_S = 600
 
 
@@ -33,7 +35,7 @@ class Server:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args, self.log_path = args, log_path
-        self.env = dict(os.environ, PDINFER_LOG_LEVEL="WARNING", **(env or {}))
+        self.env = child_environ({"PDINFER_LOG_LEVEL": "WARNING", **(env or {})})
         self.proc: subprocess.Popen | None = None
 
     def start(self, wait: bool = True) -> Server:

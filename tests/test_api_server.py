@@ -6,7 +6,6 @@ engine, for what a subprocess cannot show (overload, a loop that dies)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 from conftest import PROMPTS, make_llm
 
 from pdinfer import SamplingParams
+from pdinfer.env import child_environ
 from pdinfer.serving import AsyncEngine, EngineDeadError, build_app
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -46,7 +46,7 @@ def server(tmp_path_factory):
     cmd = pdinfer_command() + [
         "serve", "--port", str(port), "--api-key", API_KEY, "--kv-cache-memory", "512MiB",
         "--max-model-len", str(MAX_MODEL_LEN)]
-    env = dict(os.environ, PDINFER_LOG_LEVEL="WARNING")
+    env = child_environ({"PDINFER_LOG_LEVEL": "WARNING"})
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"

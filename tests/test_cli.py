@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 from conftest import make_llm
 
 from pdinfer import SamplingParams
+from pdinfer.env import child_environ
 
 PROMPT = "The capital of France is"
 FLAGS = ["--max-tokens", "8", "--temperature", "0", "--kv-cache-memory", "512MiB"]
@@ -20,7 +20,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 def _start(*args: str) -> subprocess.Popen:
     script = Path(sys.executable).with_name("pdinfer")  # the installed entry point
     command = [str(script)] if script.exists() else [sys.executable, "-m", "pdinfer.cli"]
-    env = dict(os.environ, PDINFER_LOG_LEVEL="WARNING")
+    env = child_environ({"PDINFER_LOG_LEVEL": "WARNING"})
     return subprocess.Popen(command + ["generate", *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -18,6 +18,7 @@ from conftest import PROMPTS, make_llm
 from servers import free_port, pdinfer_command
 
 from pdinfer import SamplingParams
+from pdinfer.env import child_environ
 
 ENGINE = ["--kv-cache-memory", "512MiB", "--max-model-len", "1024"]
 MODEL = "SmolLM2-135M-Instruct"
@@ -42,20 +43,33 @@ def references():
     return refs
 
 
-def child_env() -> dict[str, str]:
-    """This process's environment without the role defaults an in-process engine exported
-    (EngineArgs sets PDINFER_ZERO_OVERHEAD_SCHEDULING in os.environ; a child engine would take
-    it for the operator's choice, and a PE with it on never hands over)."""
-    env = dict(os.environ, PDINFER_LOG_LEVEL="WARNING")
-    env.pop("PDINFER_ZERO_OVERHEAD_SCHEDULING", None)
-    return env
-
-
 def start_launch(args: list[str], log_dir: Path) -> subprocess.Popen:
     err = open(log_dir / "launch.err", "w")
     return subprocess.Popen(pdinfer_command() + ["launch", *args, "--log-dir", str(log_dir)],
                             stdout=subprocess.PIPE, stderr=err, text=True,
-                            start_new_session=True, env=child_env())
+                            start_new_session=True, env=child_environ({"PDINFER_LOG_LEVEL": "WARNING"}))
+
+
+def wait_ready(proc: subprocess.Popen, port: int, log_dir: Path) -> dict[str, dict]:
+    """Read launch's report: its URL, then "name  url  pid N  log PATH" per child."""
+    lines = []
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not (lines and lines[-1].startswith("Ctrl-C")):
+        line = proc.stdout.readline()
+        assert line and time.monotonic() < deadline, (log_dir / "launch.err").read_text()
+        lines.append(line.strip())
+    assert lines[0] == f"pdinfer launch: http://127.0.0.1:{port}/v1 is ready"
+    children = {}
+    for line in lines[1:-1]:
+        name, url, _, pid, *_ = line.split()
+        children[name] = {"url": url, "pid": int(pid)}
+    return children
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
 
 
 @pytest.fixture(scope="module")
@@ -64,23 +78,11 @@ def cluster(references, tmp_path_factory):
     port = free_port()
     proc = start_launch(["--prefill", "1", "--decode", "1", "--port", str(port), *ENGINE], log_dir)
     try:
-        lines = []
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not (lines and lines[-1].startswith("Ctrl-C")):
-            line = proc.stdout.readline()  # launch prints its URL, then a line per child
-            assert line and time.monotonic() < deadline, (log_dir / "launch.err").read_text()
-            lines.append(line.strip())
-        assert lines[0] == f"pdinfer launch: http://127.0.0.1:{port}/v1 is ready"
-        children = {}
-        for line in lines[1:-1]:  # "name  url  pid N  log PATH"
-            name, url, _, pid, *_ = line.split()
-            children[name] = {"url": url, "pid": int(pid)}
+        children = wait_ready(proc, port, log_dir)
         yield {"proc": proc, "url": f"http://127.0.0.1:{port}", "children": children,
                "log_dir": log_dir}
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
+        stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +227,30 @@ def test_a_child_dying_at_startup_stops_the_rest(tmp_path):
         if missing in cmdline and alive(int(entry)):
             left.append(entry)
     assert not left
+
+
+@pytest.mark.slow
+def test_short_prompts_go_to_the_normal_engine(references, tmp_path):
+    """1P1D + 1 NORMAL: prompts of at most 8 tokens are proxied to the NORMAL engine."""
+    port = free_port()
+    proc = start_launch(["--prefill", "1", "--decode", "1", "--normal", "1", "--port", str(port),
+                         "--router-arg=--normal-max-prompt-tokens=8", *ENGINE], tmp_path)
+    try:
+        children = wait_ready(proc, port, tmp_path)
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                               timeout=600)
+        for i in (0, 3):  # 5 prompt tokens: NORMAL; 55: P/D
+            out = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=12,
+                                            temperature=0)
+            assert out.choices[0].text == references["greedy"][i]
+        stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12,
+                                           temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == references["greedy"][0]
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        normal = children["normal-0"]["url"]
+        assert f'pdinfer_router_requests_routed_total{{engine="{normal}",role="normal"}} 2.0' in metrics
+        decode = children["completion-0"]["url"]
+        assert f'pdinfer_router_requests_routed_total{{engine="{decode}",role="decode"}} 1.0' in metrics
+    finally:
+        stop(proc)

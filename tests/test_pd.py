@@ -9,7 +9,7 @@ import uuid
 import pytest
 from conftest import make_llm
 
-from pdinfer import EngineArgs, SamplingParams
+from pdinfer import EngineArgs, SamplingParams, env
 from pdinfer.engine.completion_engine import CompletionEngine, NoRoomError
 from pdinfer.engine.pd_pair import PDPair
 from pdinfer.engine.prefill_engine import PrefillEngine
@@ -107,6 +107,25 @@ def test_local_connector_pair(normal, prompt_ids):
     got = PDPair(pe, ce).generate(prompts, GREEDY)
     expected = normal.generate(prompts, GREEDY, use_tqdm=False)
     assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in expected]
+    all_free(pe, ce)
+
+
+def test_prompt_engine_with_zero_overhead_scheduling_hands_off(normal, prompt_ids, monkeypatch):
+    """ZOS is off by default for PROMPT, but an operator may turn it on: post-processing then
+    lags a step behind scheduling, and every finished prefill must still be pushed."""
+    monkeypatch.setenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", "1")  # exported by the operator,
+    monkeypatch.delitem(env._role_defaults, "PDINFER_ZERO_OVERHEAD_SCHEDULING", raising=False)  # not us
+    name = uuid.uuid4().hex
+    pe, ce = pe_engine(connector="local"), ce_engine(connector="local", name=name)
+    assert pe.zero_overhead
+    prompts = _prompts(prompt_ids)[:6]
+    pair = PDPair(pe, ce)
+    for i, prompt in enumerate(prompts):
+        pair.add_request(f"zos-{i}", prompt, GREEDY)
+    got = run(pair, deadline_s=120)
+    expected = normal.generate(prompts, GREEDY, use_tqdm=False)
+    assert [got[f"zos-{i}"].outputs[0].token_ids for i in range(len(prompts))] == \
+        [e.outputs[0].token_ids for e in expected]
     all_free(pe, ce)
 
 

@@ -3,11 +3,13 @@ and the in-process shape of a P/D hand-off. Model output is checked against tran
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import assert_blocks_back
 
-from pdinfer import EngineArgs, EngineType, LLMEngine, SamplingParams
+from pdinfer import EngineArgs, EngineType, LLMEngine, SamplingParams, env
 from pdinfer.core.outputs import SchedulerOutputs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -102,6 +104,17 @@ def test_role_defaults_yield_to_an_operator_env(monkeypatch):
     assert EngineArgs(engine_type="prompt").zero_overhead_scheduling is False  # not sticky
     monkeypatch.setenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", "1")
     assert EngineArgs(engine_type="prompt").zero_overhead_scheduling is True  # operator wins
+
+
+def test_child_processes_do_not_inherit_role_defaults(monkeypatch):
+    """A role default exported by an in-process engine is not an operator's choice for a child."""
+    monkeypatch.delenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", raising=False)
+    EngineArgs(engine_type="normal")
+    assert os.environ["PDINFER_ZERO_OVERHEAD_SCHEDULING"] == "1"  # the seed's setdefault
+    assert "PDINFER_ZERO_OVERHEAD_SCHEDULING" not in env.child_environ()
+    monkeypatch.setenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", "0")  # the operator's own value
+    EngineArgs(engine_type="normal")
+    assert env.child_environ({"X": "1"})["PDINFER_ZERO_OVERHEAD_SCHEDULING"] == "0"
 
 
 def test_prompt_engine_idle_step_is_an_empty_prompt_run():

@@ -48,6 +48,9 @@ def test_buckets_and_chained_block_hashes():
     assert index.cached_tokens(block_hashes([99] + ids)) == 0  # same blocks, other prefix
     index.add(block_hashes([5] * 32))  # 2 more hashes: the oldest one is evicted (LRU)
     assert len(index) == 3 and index.cached_tokens(block_hashes(ids)) == 0
+    index.resize(1)  # as many hashes as the PE has KV blocks: the most recent one stays
+    assert len(index) == 1 and index.cached_tokens(block_hashes([5] * 32)) == 0
+    assert index.cached_tokens(block_hashes(ids)) == 0
 
 
 def test_decode_balancer_orders_by_requests_then_kv_tokens():
@@ -114,8 +117,6 @@ def cluster(tmp_path_factory):
     engines = [pe, *ces]
     router = Server(["router", "--prefill", pe.url, "--decode", ces[0].url, ces[1].url,
                      "--health-interval-s", "0.5"], tmp / "router.log")
-    for server in (*engines, router):
-        without_role_defaults(server)
     try:
         for server in engines:
             server.start(wait=False)
@@ -127,13 +128,6 @@ def cluster(tmp_path_factory):
     finally:
         for server in (router, pe, *ces):  # ces[1] may have been replaced by a restart
             server.stop()
-
-
-def without_role_defaults(server: Server) -> Server:
-    """An in-process engine built earlier in the session exported its role default
-    (PDINFER_ZERO_OVERHEAD_SCHEDULING) to os.environ; a child engine must not inherit it."""
-    server.env.pop("PDINFER_ZERO_OVERHEAD_SCHEDULING", None)
-    return server
 
 
 def wait_for(condition, what: str, timeout_s: float = 120):
@@ -247,8 +241,8 @@ def test_restarted_ce_on_the_same_port_comes_back_into_rotation(cluster):
     url, victim = cluster["router"].url, cluster["ces"][1]
     if victim.proc is not None and victim.proc.poll() is None:
         victim.kill()  # this test also stands alone
-    restarted = without_role_defaults(Server(["serve", "--role", "completion", *ENGINE],
-                                             cluster["tmp"] / "ce1b.log", port=victim.port))
+    restarted = Server(["serve", "--role", "completion", *ENGINE], cluster["tmp"] / "ce1b.log",
+                       port=victim.port)
     cluster["ces"][1] = restarted
     restarted.start()
     wait_for(lambda: next(e for e in engines_seen(url) if e["url"] == victim.url)["healthy"],

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from pdinfer import env as pdinfer_env
 from pdinfer.distributed.messages import RankConfig
 
 logger = logging.getLogger("pdinfer")
@@ -43,7 +44,7 @@ class RankLauncher:
         for local, rank in enumerate(self.ranks):
             cfg = msgspec.structs.replace(self.template, rank=rank, generation=generation,
                                           parent_pid=os.getpid())
-            env = dict(os.environ)
+            env = pdinfer_env.child_environ()
             step_log = env.get("PDINFER_STEP_LOG")
             if step_log:
                 env["PDINFER_STEP_LOG"] = f"{step_log}.rank{rank}"

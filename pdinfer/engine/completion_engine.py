@@ -40,13 +40,19 @@ class CompletionEngine(LLMEngine):
         super().__init__(engine_args, dp_group)
 
     def init_pd_split(self) -> None:
-        self.connector = self.pd_config.make_connector(listen=True, engine_type=self.engine_type.value)
+        self.connector = self.pd_config.make_connector(listen=True, engine_type=self.engine_type.value,
+                                                       device=self.device)
         self.connector.register_kv_cache(self.model_runner.cache.kv)  # before the handshake can answer
         self.connector.register(kv_layout(self))
         self.reservations: dict[str, Sequence] = {}  # transfer id -> sequence waiting for its K/V
         # transfer id -> (blocks, deadline) of dropped reservations a PE may still write into
         self.quarantined: dict[str, tuple[list[int], float]] = {}
         self.refused_transfers = 0
+
+    @property
+    def _device_payload(self) -> bool:
+        """cuda_ipc / nccl: a push carries no bytes; ``connector.land`` fetches and checks them."""
+        return getattr(self.connector, "device_payload", False)
 
     @property
     def kv_address(self) -> str:
@@ -122,7 +128,7 @@ class CompletionEngine(LLMEngine):
             self._release_quarantine(push.transfer_id)  # its push comes after its write
             return
         del self.reservations[push.transfer_id]
-        if self.connector.writes_in_place:  # the K/V is in our blocks already (and was checked)
+        if self.connector.writes_in_place or self._device_payload:  # in our blocks already, checked
             self.connector.confirm(arrival, ok=True)
         else:
             self._write_payload(arrival)
@@ -163,11 +169,17 @@ class CompletionEngine(LLMEngine):
         if self.connector.writes_in_place:  # check what landed in our own memory
             size = push.nbytes
             received = [cache.kv[b].view(-1).view(torch.uint8).numpy() for b in push.block_ids]
+        elif self._device_payload:  # still in the PE's device memory
+            size, received = push.nbytes, None
         else:
             size, received = len(arrival.payload), [arrival.payload]
         if size != push.nbytes or size != expected_blocks * cache.bytes_per_block:
             return f"payload of {size} bytes, expected {expected_blocks * cache.bytes_per_block}"
-        if checksum_blocks(received) != push.checksum:
+        if received is None:  # copied into our blocks in step order, and checked there
+            error = self.executor.submit_call(self.connector.land, arrival, cache).result()
+            if error is not None:
+                return error
+        elif checksum_blocks(received) != push.checksum:
             return "checksum mismatch: the K/V was corrupted in transit"
         tokens = push.first_tokens or [push.first_token]
         if len(tokens) != seq.sampling_params.n or any(not 0 <= t < self.spec.vocab_size for t in tokens):

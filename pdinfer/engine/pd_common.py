@@ -16,13 +16,15 @@ from pdinfer.kv_transfer.protocol import KVLayout
 DEFAULT_LEASE_S = 30.0  # PE: free a handed-over request's blocks if the CE has not confirmed
 DEFAULT_RESERVATION_TIMEOUT_S = 60.0  # CE: drop a reservation whose K/V never arrived
 DEFAULT_DECODE_MARGIN_TOKENS = 16  # CE: reserve this much room for decode beyond the prompt
+CONNECTORS = ("tcp", "local", "mooncake", "cuda_ipc")
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
     """``EngineArgs.kv_transfer`` turned into settings (unknown keys are refused)."""
 
-    connector: str = "tcp"  # "tcp", "local" or "mooncake" (optional, see kv_transfer/mooncake.py)
+    connector: str = "tcp"  # "tcp", "local", "mooncake" (optional, see kv_transfer/mooncake.py),
+    # or "cuda_ipc" (one host, device to device)
     host: str = "127.0.0.1"  # CE: where to listen
     port: int = 0  # CE: 0 picks a free port
     name: str | None = None  # local connector: the address name
@@ -30,6 +32,7 @@ class KVTransferConfig:
     lease_s: float = DEFAULT_LEASE_S
     reservation_timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S
     decode_margin_tokens: int = DEFAULT_DECODE_MARGIN_TOKENS
+    staging_mib: int = 1024  # cuda_ipc: the PE's device staging pool (grows when full)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> KVTransferConfig:
@@ -37,8 +40,8 @@ class KVTransferConfig:
         if unknown:
             raise ValueError(f"unknown kv_transfer settings: {sorted(unknown)}")
         config = cls(**values)
-        if config.connector not in ("tcp", "local", "mooncake"):
-            raise ValueError("kv_transfer connector must be 'tcp', 'local' or 'mooncake', "
+        if config.connector not in CONNECTORS:
+            raise ValueError(f"kv_transfer connector must be one of {', '.join(CONNECTORS)}, "
                              f"got {config.connector!r}")
         if config.connector == "mooncake":
             from pdinfer.kv_transfer.mooncake import load_transfer_engine
@@ -46,9 +49,11 @@ class KVTransferConfig:
             load_transfer_engine()  # fail before the model loads, naming what to install
         if config.lease_s <= 0 or config.reservation_timeout_s <= 0:
             raise ValueError("kv_transfer lease_s and reservation_timeout_s must be positive")
+        if config.staging_mib <= 0:
+            raise ValueError("kv_transfer staging_mib must be positive")
         return config
 
-    def make_connector(self, listen: bool, engine_type: int) -> KVConnector:
+    def make_connector(self, listen: bool, engine_type: int, device=None) -> KVConnector:
         if self.connector == "local":
             from pdinfer.kv_transfer.local import LocalConnector
 
@@ -58,6 +63,11 @@ class KVTransferConfig:
 
             return MooncakeConnector(self.host if listen else None, self.port, secret=self.secret,
                                      engine_type=engine_type, host=self.host)
+        if self.connector == "cuda_ipc":  # a device transport: it stages on ``device``
+            from pdinfer.kv_transfer.cuda_ipc import CudaIpcConnector
+
+            return CudaIpcConnector(self.host if listen else None, self.port, secret=self.secret, engine_type=engine_type,
+                       device=device, staging_bytes=self.staging_mib << 20)
         from pdinfer.kv_transfer.tcp import TcpConnector
 
         return TcpConnector(self.host if listen else None, self.port, secret=self.secret,

@@ -42,10 +42,12 @@ class PrefillEngine(LLMEngine):
 
     # --- hooks -----------------------------------------------------------------------------------
     def init_pd_split(self) -> None:
-        self.connector = self.pd_config.make_connector(listen=False, engine_type=self.engine_type.value)
+        self.connector = self.pd_config.make_connector(listen=False, engine_type=self.engine_type.value,
+                                                       device=self.device)
         self.connector.register(kv_layout(self))
         self.handoffs: dict[str, Sequence] = {}  # transfer id -> sequence awaiting the CE's ack
-        self._completing: list[Sequence] = []
+        self._completing: list[Sequence] = []  # this step's finished prefills
+        self._pushed: list[Sequence] = []  # pushed by the last pe_do_save_kvcache
         self.handoff_stats = {"count": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
 
     def post_schedule(self, outputs: SchedulerOutputs) -> None:
@@ -57,14 +59,40 @@ class PrefillEngine(LLMEngine):
         self._collect_acks()
 
     def pe_prepare_save_kvcache(self, scheduled, finished) -> None:
-        cache, bm = self.model_runner.cache, self.block_manager
+        bm = self.block_manager
         for seq in self._completing:
             blocks = seq.block_table[: bm.blocks_for(seq.num_prompt_tokens)]
-            seq.handoff.kv_future = self.executor.submit_call(cache.read_blocks, blocks)
+            seq.handoff.kv_future = self.executor.submit_call(self._read_kv, blocks)
+
+    def _read_kv(self, blocks: list[int]):
+        """Step thread, after the forward that wrote ``blocks``: start copying their K/V out."""
+        cache = self.model_runner.cache
+        stage = getattr(self.connector, "stage_blocks", None)
+        if stage is not None:  # a device transport: into its staging pool on the device
+            return stage(cache, blocks)
+        if cache.device.type == "cuda":  # a host transport: into pinned memory, asynchronously
+            return cache.read_blocks_async(blocks)
+        return cache.read_blocks(blocks)
+
+    @staticmethod
+    def _payload(kv) -> tuple[object, int, int]:
+        """(payload, bytes, checksum) of a finished K/V copy (see ``_read_kv``)."""
+        if hasattr(kv, "finish"):
+            return kv.finish()
+        if isinstance(kv, tuple):  # pinned host copy and its event
+            kv, event = kv
+            event.synchronize()
+        data = kv.contiguous().view(-1).view(dtype=torch.uint8).numpy()
+        return data, data.nbytes, checksum(data)
 
     def pe_do_save_kvcache(self, scheduled, finished) -> None:
+        # ``scheduled`` is the step being post-processed: with zero-overhead scheduling that is
+        # the previous one, and ``_completing`` already belongs to the step after it.
         now = time.monotonic()
-        for seq in self._completing:
+        ready = [seq for seq in scheduled if seq.handoff is not None and seq.handoff.kv_future is not None
+                 and not seq.handoff.sent]
+        self._pushed = []
+        for seq in ready:
             if not seq.is_finished and now > seq.handoff.expires_at:
                 # The CE has dropped the reservation: its blocks may hold another request now.
                 self.requests[seq.request_id].error = ("the completion engine's reservation expired "
@@ -73,12 +101,12 @@ class PrefillEngine(LLMEngine):
             if seq.is_finished:  # aborted while its prefill ran
                 continue
             self._push(seq, now)
+            self._pushed.append(seq)
 
     def send_processed_prompts(self) -> None:
-        for seq in self._completing:
-            if seq.handoff.sent:
-                self.scheduler.remove_seq(seq)
-        self._completing = []
+        for seq in self._pushed:
+            self.scheduler.remove_seq(seq)
+        self._pushed = []
 
     # --- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
@@ -124,20 +152,19 @@ class PrefillEngine(LLMEngine):
     # --- the hand-off ------------------------------------------------------------------------------
     def _push(self, seq: Sequence, now: float) -> None:
         reservation: Reservation = seq.handoff.reservation
-        kv = seq.handoff.kv_future.result()
-        data = kv.contiguous().view(-1).view(dtype=torch.uint8).numpy()
-        num_blocks = kv.shape[0]
+        data, nbytes, crc = self._payload(seq.handoff.kv_future.result())
+        num_blocks = self.block_manager.blocks_for(seq.num_prompt_tokens)
         push = KVPush(
             transfer_id=reservation.transfer_id, request_id=seq.request_id,
             instance_id=reservation.instance_id, num_tokens=seq.num_prompt_tokens,
             first_token=seq.first_tokens[0], first_tokens=list(seq.first_tokens), seed=seq.seed,
-            block_ids=reservation.block_ids[:num_blocks], nbytes=data.nbytes, checksum=checksum(data),
+            block_ids=reservation.block_ids[:num_blocks], nbytes=nbytes, checksum=crc,
             first_logprobs=seq.output_logprobs[0] if seq.output_logprobs else None,
         )
         self.connector.send(reservation.address, push, data)
         seq.handoff.kv_future = None
         seq.handoff.sent, seq.handoff.started = True, now
-        seq.handoff.deadline, seq.handoff.nbytes = now + self.pd_config.lease_s, data.nbytes
+        seq.handoff.deadline, seq.handoff.nbytes = now + self.pd_config.lease_s, nbytes
         seq.status = SequenceStatus.HANDED_OFF
         self.handoffs[reservation.transfer_id] = seq
 
@@ -190,7 +217,11 @@ class PrefillEngine(LLMEngine):
     def _release(self, seq: Sequence) -> None:
         # PROMPT never goes through finalize_seq: this is the only place a PE frees blocks.
         if seq.handoff is not None and seq.handoff.kv_future is not None:
-            seq.handoff.kv_future.result()  # a K/V copy still reads these blocks
+            kv = seq.handoff.kv_future.result()  # a K/V copy still reads these blocks: wait for it
+            if hasattr(kv, "release"):
+                kv.release()  # (device staging, never sent)
+            elif isinstance(kv, tuple):
+                kv[1].synchronize()
         self.scheduler.free_seq(seq)
         self.step_builder.forget(seq)
 

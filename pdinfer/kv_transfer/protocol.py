@@ -60,7 +60,7 @@ class KVPush(msgspec.Struct, tag="push"):
     nbytes: int
     checksum: int  # crc32 of the payload
     first_logprobs: dict[int, float] | None = None
-    # Device transports (cuda_ipc, nccl): no payload frame; the blocks wait in the PE's staging
+    # A device transport (cuda_ipc): no payload frame; the blocks wait in the PE's staging
     # pool (segment ``staging_info``, at ``staging_offset``) and ``checksum`` is kv_checksum's.
     staging_offset: int = -1
     staging_info: bytes = b""

@@ -41,6 +41,10 @@ _SOURCE = r"""
 #include <cstring>
 #include <vector>
 
+// Work below this many elements runs on the calling thread: waking the pool costs more than
+// it saves (a decode step of a few sequences), and far more when the cores are shared.
+constexpr int64_t kSerialElems = 1 << 17;
+
 // exp(x) for x <= 0 as 2^n * e^r, |r| <= ln2/2, degree-7 Taylor (rel. error < 1e-7); plain
 // arithmetic so the loop that calls it vectorizes.
 static inline float exp_nonpositive(float x) {
@@ -114,7 +118,8 @@ extern "C" void pd_paged_decode(const float* kv, const float* q, float* out,
   std::vector<int64_t> bounds{0};
   int64_t work = 0, done = 0, longest = 0;
   for (int64_t b = 0; b < batch; b++) { work += lens[b] * kv_heads; longest = std::max(longest, lens[b]); }
-  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  const int64_t runs = work * dim < kSerialElems ? 1
+                                                 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   for (int64_t i = 0; i < items && (int64_t)bounds.size() < runs; i++) {
     done += lens[i / kv_heads];
     if (done * runs >= work * (int64_t)bounds.size()) bounds.push_back(i + 1);
@@ -174,7 +179,7 @@ extern "C" void pd_small_gemm(const float* __restrict x, const float* __restrict
 // out[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), the Llama RMSNorm, one row per iteration.
 extern "C" void pd_rms_norm(const float* __restrict x, int64_t x_stride, const float* __restrict w,
                             float* __restrict out, int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / dim), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialElems / dim), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
       const float* __restrict xr = x + r * x_stride;
       float* __restrict o = out + r * dim;
@@ -192,7 +197,7 @@ extern "C" void pd_rotary_qk(float* q, int64_t q_row, int64_t q_head, int64_t hq
                              int64_t k_row, int64_t k_head, int64_t hk, const float* cos,
                              const float* sin, int64_t cs_row, int64_t tokens, int64_t rot) {
   const int64_t half = rot / 2;
-  at::parallel_for(0, tokens, std::max<int64_t>(1, 2048 / ((hq + hk) * rot)), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, tokens, std::max<int64_t>(1, kSerialElems / ((hq + hk) * rot)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
       const float* __restrict c = cos + t * cs_row;
       const float* __restrict sn = sin + t * cs_row;
@@ -211,7 +216,7 @@ extern "C" void pd_rotary_qk(float* q, int64_t q_row, int64_t q_head, int64_t hq
 // out[r] = silu(x[r, :n]) * x[r, n:2n]
 extern "C" void pd_silu_and_mul(const float* __restrict x, int64_t x_stride, float* __restrict out,
                                 int64_t rows, int64_t n) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialElems / n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
       const float* __restrict g = x + r * x_stride;
       const float* __restrict u = g + n;

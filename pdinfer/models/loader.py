@@ -92,16 +92,49 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype):
 
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
-    """Random weights with the scale of a trained model, so logits and softmax stay sane."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    init_dummy_weights(model.named_parameters(), model.spec.num_layers, seed)
+
+
+# Dummy weights, "trained-like" (see notes/gpu.md, "bf16 correctness"). With every matrix at
+# N(0, 0.02) a deep random model is chaotic: each layer's output is as large as the residual
+# stream, so a rounding difference grows layer by layer (bf16 vs fp32: 3-6 % of the logits at
+# 16-32 layers), and its logits are i.i.d.-like with top-2 gaps below bf16's rounding of them.
+# Trained models differ in both points, and the init copies them: GPT-2's residual scaling
+# (o_proj and down_proj at std / sqrt(2 * layers)) keeps each layer a small update of a stream
+# carried by the token embedding (std DUMMY_EMBED_STD), and the output layer has a clear winner:
+# tied models score the current token highest, untied ones a fixed successor of it (lm_head row
+# v = the embedding of token succ(v), a random permutation), so greedy paths move through the
+# vocabulary while the layers still shape every logit.
+DUMMY_STD = 0.02
+DUMMY_EMBED_STD = 1.0
+
+
+def init_dummy_weights(named_params, num_layers: int, seed: int) -> None:
+    """Fill parameters (pdinfer or Hugging Face names) with the trained-like dummy weights."""
+    params = dict(named_params)
+    device = next(iter(params.values())).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    embed = None
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in params.items():
             if "norm" in name:
                 param.fill_(1.0)
             elif name.endswith("bias"):
                 param.zero_()
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+            elif "embed_tokens" in name:
+                param.normal_(0.0, DUMMY_EMBED_STD, generator=generator)
+                embed = param
+            elif "o_proj" in name or "down_proj" in name:
+                param.normal_(0.0, DUMMY_STD / (2 * num_layers) ** 0.5, generator=generator)
+            elif "lm_head" not in name:
+                param.normal_(0.0, DUMMY_STD, generator=generator)
+        for name, param in params.items():
+            if "lm_head" in name:  # untied: a successor map over the vocabulary
+                if embed is None or embed.shape != param.shape:
+                    param.normal_(0.0, DUMMY_STD, generator=generator)
+                    continue
+                perm = torch.randperm(param.shape[0], generator=generator, device=device)
+                param.copy_(embed[perm])
 
 
 def load_tokenizer(folder: str, tokenizer: str | None):

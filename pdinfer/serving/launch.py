@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdinfer import env
+
 _STOP_GRACE_S = 15.0
 _POLL_S = 0.3
 _LOG_TAIL_LINES = 40
@@ -135,7 +137,7 @@ def _start(child: Child) -> None:
     with open(child.log_path, "ab") as log:
         child.proc = subprocess.Popen(child.cmd, stdout=log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True,
-                                      preexec_fn=_die_with_parent)
+                                      preexec_fn=_die_with_parent, env=env.child_environ())
 
 
 def _healthy(child: Child) -> bool:

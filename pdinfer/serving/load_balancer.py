@@ -14,7 +14,8 @@ longer (long prompts cost more per token, so each bucket is balanced on its own)
                 returned yet;
   cached(pe)  = tokens of the longest prefix of the prompt, in whole 16-token blocks, whose
                 chained block hashes (``chain_hash`` from ``ROOT_HASH``) are in pe's LRU set of
-                the hashes of prompts routed there (an estimate of its prefix cache);
+                the hashes of prompts routed there, as many as the PE has KV blocks (an
+                estimate of its prefix cache);
   least       = argmin over healthy PEs of (load_b, total queued tokens, least recently picked);
   holder      = argmax of cached (ties: lower load_b);
   pick holder if cached(holder) > 0 and load_b(holder) <= load_b(least) + tolerance
@@ -79,6 +80,15 @@ class PrefixIndex:
         for h in hashes:
             self._hashes[h] = None
             self._hashes.move_to_end(h)
+        self._trim()
+
+    def resize(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self._trim()
+
+    def _trim(self) -> None:
         while len(self._hashes) > self.capacity_blocks:
             self._hashes.popitem(last=False)
 

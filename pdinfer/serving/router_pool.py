@@ -148,8 +148,13 @@ class EnginePool:
             cards = (await self.client.get(f"{engine.url}/v1/models",
                                            timeout=_HEALTH_TIMEOUT_S)).json()["data"]
             engine.max_model_len = cards[0].get("max_model_len")
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
-            logger.warning("router: %s answers /health but not /v1/models: %s", engine.url, exc)
+            if engine.prefix is not None:  # its prefix cache cannot outgrow its KV blocks
+                kv = (await self.client.get(f"{engine.url}/debug/kv",
+                                            timeout=_HEALTH_TIMEOUT_S)).json()
+                engine.prefix.resize(int(kv["total_blocks"]))
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            logger.warning("router: %s answers /health but not /v1/models or /debug/kv: %s",
+                           engine.url, exc)
             return
         engine.healthy = True
         self.metrics.readmissions.labels(engine=engine.url, role=engine.role).inc()

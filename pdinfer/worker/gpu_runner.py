@@ -84,6 +84,8 @@ class GpuStepRunner:
         self.model = runner.model
         self.spec = runner.spec
         self.device = runner.device
+        if self.device.index is not None:  # "cuda:N": this thread's kernels (Triton too) go there
+            torch.cuda.set_device(self.device)
         use_triton_attention(self.model)
         props = torch.cuda.get_device_properties(self.device) if self.device.type == "cuda" else None
         self.num_sms = props.multi_processor_count if props is not None else 132
@@ -106,8 +108,12 @@ class GpuStepRunner:
         self.graphs.capture()
 
     # --- one step ----------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, inp: StepInput) -> PendingStepResult:
+        with torch.cuda.device(self.device):  # the current device is per thread (and per engine)
+            return self._execute(inp)
+
+    @torch.inference_mode()
+    def _execute(self, inp: StepInput) -> PendingStepResult:
         cache = self.runner.cache
         bucket = self.graphs.bucket_for(inp) if self.graphs is not None else None
         splits = self.graphs.num_splits(bucket) if bucket is not None else None

@@ -206,6 +206,12 @@ def _to_host(step_id: int, out: SamplerOutput) -> StepResult:
     return result
 
 
+def _bind_device(device: torch.device) -> None:
+    """The step thread works on the engine's GPU ("cuda:N"; the current device is per thread)."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 class StepExecutor:
     """Runs steps in order: inline, or on one worker thread (zero-overhead scheduling).
 
@@ -216,7 +222,8 @@ class StepExecutor:
     def __init__(self, runner: ModelRunner, overlap: bool):
         self.runner = runner
         self.overlap = overlap
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdinfer-step") if overlap else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdinfer-step", initializer=_bind_device,
+                                        initargs=(runner.device,)) if overlap else None
         self._lock = threading.Lock()
 
     def launch(self, inp: StepInput) -> Future:
