@@ -109,6 +109,8 @@ class GpuStepRunner:
 
     # --- one step ----------------------------------------------------------------------------
     def execute(self, inp: StepInput) -> PendingStepResult:
+        if self.device.type != "cuda":  # the Triton interpreter's CPU tests
+            return self._execute(inp)
         with torch.cuda.device(self.device):  # the current device is per thread (and per engine)
             return self._execute(inp)
 
