@@ -94,7 +94,7 @@ def run_dp1(prompts, params, threads: int) -> dict:
     from pdinfer import LLM
 
     llm = LLM(max_model_len=1024, max_num_batched_tokens=BUDGET_TOKENS,
-              kv_cache_memory=512 << 20, num_threads=threads)
+              kv_cache_memory=2 << 30, num_threads=threads)
     steps = {"n": 0}
     step = llm.engine.step
 
@@ -117,7 +117,7 @@ def run_front(prompts, params, size: int, threads: int) -> dict:
     from pdinfer.distributed.dp_client import DPEngineClient
     from pdinfer.engine.llm import LLM
 
-    args = EngineArgs(data_parallel_size=size, max_model_len=1024, kv_cache_memory=512 << 20,
+    args = EngineArgs(data_parallel_size=size, max_model_len=1024, kv_cache_memory=2 << 30,
                       max_num_batched_tokens=BUDGET_TOKENS, num_threads=threads)
     llm = LLM.__new__(LLM)  # LLM's generate over a client of any size (LLM() picks one for size > 1)
     llm.engine = DPEngineClient(args)

@@ -139,3 +139,30 @@ def test_killed_ce_during_transfer_pe_recovers_within_lease(tmp_path, prompt_ids
     finally:
         pe.stop()
         ce.stop()
+
+
+def test_cuda_ipc_connector_across_processes(tmp_path, prompt_ids):
+    """The device transport between two processes (on CPU its staging pool is shared memory):
+    the CE copies the K/V out of the PE's pool, checks it, and decodes NORMAL's tokens."""
+    kv = ["--kv-connector", "cuda_ipc"]
+    ce = Server(["serve", "--role", "completion", *ENGINE, *kv], tmp_path / "ce.log")
+    pe = Server(["serve", "--role", "prompt", *ENGINE, *kv], tmp_path / "pe.log")
+    ce.start(wait=False)
+    pe.start(wait=False)
+    try:
+        ce.wait_healthy()
+        pe.wait_healthy()
+        prompts = [ids[: 12 + 20 * i] for i, ids in enumerate(prompt_ids[:4])]
+        expected = [o.outputs[0].token_ids
+                    for o in make_llm(kv_cache_memory=512 << 20).generate(
+                        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+        for i, (prompt, want) in enumerate(zip(prompts, expected)):
+            result = pd_generate(pe.url, ce.url, f"ipc-{i}", prompt, GREEDY)
+            assert result["prefill_status"] == 200, result
+            assert result["tokens"] == want
+        for server in (pe, ce):
+            kv_state = server.wait_blocks_back()
+            assert kv_state["free_blocks"] == kv_state["total_blocks"]
+    finally:
+        pe.stop()
+        ce.stop()
