@@ -89,8 +89,7 @@ class PrefillEngine(LLMEngine):
         # ``scheduled`` is the step being post-processed: with zero-overhead scheduling that is
         # the previous one, and ``_completing`` already belongs to the step after it.
         now = time.monotonic()
-        ready = [seq for seq in scheduled if seq.handoff is not None and seq.handoff.kv_future is not None
-                 and not seq.handoff.sent]
+        ready = [seq for seq in scheduled if seq.handoff is not None and seq.handoff.kv_future is not None]
         self._pushed = []
         for seq in ready:
             if not seq.is_finished and now > seq.handoff.expires_at:

@@ -28,7 +28,7 @@ from multiprocessing import resource_tracker, shared_memory
 import msgspec
 import torch
 
-from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVAbort, KVAck, KVPush, encode
+from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVAbort, KVAck, KVPush, block_runs, encode
 from pdinfer.kv_transfer.tcp import TcpConnector
 
 logger = logging.getLogger("pdinfer")
@@ -50,17 +50,6 @@ def kv_checksum(sums: torch.Tensor) -> torch.Tensor:
     weights = torch.arange(1, sums.shape[0] + 1, dtype=torch.int64, device=sums.device)
     weighted = (sums.remainder(CHECKSUM_MODULUS) * weights).remainder(CHECKSUM_MODULUS)
     return weighted.sum().remainder(CHECKSUM_MODULUS)
-
-
-def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(index in block_ids, first block id, count) of each run of consecutive block ids."""
-    runs: list[tuple[int, int, int]] = []
-    for i, block in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((i, block, 1))
-    return runs
 
 
 def land_blocks(src: torch.Tensor, kv: torch.Tensor, block_ids: list[int], stream) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdinfer.kv_transfer.connector import HandshakeError
-from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVAbort, KVAck, KVPush, encode
+from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVAbort, KVAck, KVPush, block_runs, encode
 from pdinfer.kv_transfer.tcp import TcpConnector
 
 logger = logging.getLogger("pdinfer")
@@ -179,17 +179,6 @@ class MooncakeConnector(TcpConnector):
             if buffer is not None:
                 self._engine.unregister_memory(buffer if isinstance(buffer, int) else buffer.ctypes.data)
         self._kv, self._staging = None, None
-
-
-def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(index in block_ids, first block id, count) of each run of consecutive block ids."""
-    runs: list[tuple[int, int, int]] = []
-    for i, block in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((i, block, 1))
-    return runs
 
 
 def _check(rc: int, what: str) -> None:

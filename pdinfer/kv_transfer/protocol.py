@@ -124,3 +124,14 @@ def checksum_blocks(blocks) -> int:
     for block in blocks:
         crc = zlib.crc32(block, crc)
     return crc & 0xFFFFFFFF
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index in block_ids, first block id, count) of each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs

@@ -30,10 +30,11 @@ _TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 
                     2.5)
 
 
-class ServerMetrics:
-    def __init__(self, model_name: str, role: str):
-        self.registry = CollectorRegistry()
-        r = self.registry
+class RequestLatencyMetrics:
+    """A registry with the per-request latency histograms an engine server and a router share."""
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds", "Time from arrival to the first output token.",
             buckets=_LATENCY_BUCKETS_S, registry=r)
@@ -44,6 +45,12 @@ class ServerMetrics:
         self.e2e_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last output token.",
             buckets=_LATENCY_BUCKETS_S, registry=r)
+
+
+class ServerMetrics(RequestLatencyMetrics):
+    def __init__(self, model_name: str, role: str):
+        super().__init__()
+        r = self.registry
         self.requests_finished = Counter(
             PREFIX + "requests_finished", "Engine requests finished, by finish reason.",
             ["finish_reason"], registry=r)

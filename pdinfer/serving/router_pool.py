@@ -15,7 +15,6 @@ import logging
 import httpx
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
@@ -23,7 +22,7 @@ from prometheus_client import (
 )
 
 from pdinfer.serving.load_balancer import Engine
-from pdinfer.serving.metrics import _LATENCY_BUCKETS_S, _TOKEN_BUCKETS_S, PREFIX
+from pdinfer.serving.metrics import PREFIX, RequestLatencyMetrics
 
 logger = logging.getLogger("pdinfer")
 
@@ -32,19 +31,10 @@ _MAX_SLOW_CHECKS = 3
 _HANDOFF_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-class RouterMetrics:
+class RouterMetrics(RequestLatencyMetrics):
     def __init__(self, model_name: str):
-        self.registry = r = CollectorRegistry()
-        self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time from arrival to the first output token.",
-            buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.time_per_output_token = Histogram(
-            PREFIX + "time_per_output_token_seconds",
-            "Mean time between output tokens after the first, per request.",
-            buckets=_TOKEN_BUCKETS_S, registry=r)
-        self.e2e_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last output token.",
-            buckets=_LATENCY_BUCKETS_S, registry=r)
+        super().__init__()
+        r = self.registry
         self.handoff_latency = Histogram(
             PREFIX + "router_handoff_latency_seconds",
             "Time from the prefill POST to its 200 (prefill + K/V hand-off confirmed).",
