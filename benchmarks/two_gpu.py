@@ -6,7 +6,7 @@ each transport, a NORMAL DP-2 group over NCCL, and the GPU suite's bf16 correctn
 Workers, one process each (``two_gpu_workers.py``), in three phases:
   1. GPU 0: NORMAL engine (the correctness prompts one at a time, then the workload), then the
      bf16 correctness check on the 1B shape; GPU 1: the same check on the 8B shape.
-  2. PE on GPU 0, CE on GPU 1 (both see both GPUs): per transport, cuda_ipc then tcp: connector
+  2. PE on GPU 0, CE on GPU 1 (both see both GPUs): per transport, cuda_ipc, nccl, then tcp: connector
      GB/s, the correctness prompts one at a time, the workload (TTFT and TPOT timed by the CE).
   3. NORMAL DP-2 over NCCL, one rank per GPU: each rank's prompts alone, then in the group.
 Writes two_gpu.log (this output), workers.log and two_gpu.json to ``--out`` and prints one table
@@ -106,10 +106,10 @@ def main() -> None:
     run.wait([run.spawn("normal")], 150)
     if not args.dry_run:
         run.wait([run.spawn("correct1b", "--preset", "llama-3.2-1b", visible="0"), big], 200)
-    # 2. P/D across the GPUs over cuda_ipc and tcp; 3. DP-2
+    # 2. P/D across the GPUs over cuda_ipc, nccl and tcp; 3. DP-2
     port = str(free_port())
-    run.wait([run.spawn("ce", "--port", port, "--kinds", "cuda_ipc,tcp"),
-              run.spawn("pe", "--port", port, "--kinds", "cuda_ipc,tcp")], 170)
+    run.wait([run.spawn("ce", "--port", port, "--kinds", "cuda_ipc,nccl,tcp"),
+              run.spawn("pe", "--port", port, "--kinds", "cuda_ipc,nccl,tcp")], 240)
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -231,12 +231,13 @@ def add_serve_parser(subparsers) -> None:
 
 def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("P/D hand-off (prompt and completion roles)")
-    g.add_argument("--kv-connector", default="tcp", choices=["tcp", "mooncake", "cuda_ipc"],
+    g.add_argument("--kv-connector", default="tcp", choices=["tcp", "mooncake", "cuda_ipc", "nccl"],
                    help="how K/V moves from a prefill to a completion engine: ZeroMQ over TCP; "
                         "Mooncake's Transfer Engine writing into the CE's cache (optional: apt-get "
                         "install libibverbs1 && pip install mooncake-transfer-engine-non-cuda); or "
                         "cuda_ipc, device to device between processes of one host (shared memory "
-                        "for CPU engines), with ZeroMQ for the control messages")
+                        "for CPU engines); or nccl, GPU to GPU by NCCL send/recv (gloo for CPU engines; "
+                        "also across hosts); the device ones keep ZeroMQ for the control messages")
     g.add_argument("--kv-host", default="127.0.0.1",
                    help="completion engine: the address PEs push K/V to (bind address)")
     g.add_argument("--kv-port", type=int, default=0, help="completion engine: K/V port (0: any free)")

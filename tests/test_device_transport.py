@@ -4,6 +4,7 @@ runs themselves are in benchmarks/two_gpu.py."""
 
 from __future__ import annotations
 
+import time
 from multiprocessing import resource_tracker
 from types import SimpleNamespace
 
@@ -142,7 +143,7 @@ def normal():
     return make_llm(kv_cache_memory=MEM)
 
 
-@pytest.mark.parametrize("connector", ["cuda_ipc"])
+@pytest.mark.parametrize("connector", ["cuda_ipc", "nccl"])
 def test_pd_over_device_connectors_equals_normal(connector, normal, prompt_ids):
     kv = {"connector": connector, "staging_mib": 1}  # small: the pool has to grow
     pe = PrefillEngine(EngineArgs(engine_type="prompt", kv_cache_memory=MEM, kv_transfer=kv))
@@ -174,3 +175,50 @@ def test_cuda_segment_round_trip_in_process():
         assert torch.equal(out[:3], kv[[2, 3, 0]])
     finally:
         segment.close()
+
+
+# --- the NCCL pair (a gloo group on CPU): receives stay matched to pushes in order ----------------
+def test_nccl_pair_drains_a_refused_push_and_lands_the_next():
+    """The CE posts a receive for every push, even one it refuses, so the bytes of the next push
+    land in the next push's blocks (point-to-point messages of a pair match in posting order)."""
+    from pdinfer.kv_transfer.nccl import NcclConnector
+
+    layout = KVLayout(model="m", dtype="float32", num_layers=1, num_kv_heads=1, head_dim=16, block_size=4)
+    pe_kv = torch.randn(6, 2, 1, 4, 1, 16)
+    ce_cache = SimpleNamespace(kv=torch.zeros_like(pe_kv), bytes_per_block=pe_kv[0].numel() * 4)
+    ce, pe = NcclConnector(listen_host="127.0.0.1"), NcclConnector(staging_bytes=1 << 16)
+    try:
+        ce.register(layout)
+        pe.register(layout)
+        instance = pe.connect(ce.address)
+        pushes = []
+        for transfer_id, src in (("refused", [0, 1]), ("landed", [4, 2, 5])):
+            staged, nbytes, crc = pe.stage_blocks(SimpleNamespace(kv=pe_kv, bytes_per_block=ce_cache.bytes_per_block),
+                                                  src).finish()
+            push = KVPush(transfer_id=transfer_id, request_id=transfer_id, instance_id=instance, num_tokens=4,
+                          first_token=1, first_tokens=[1], seed=0, block_ids=[3, 0, 1][: len(src)], nbytes=nbytes, checksum=crc)
+            pe.send(ce.address, push, staged)
+            pushes.append(push)
+        arrivals = []
+        for _ in range(200):
+            arrivals += ce.receive()
+            if len(arrivals) == 2:
+                break
+            time.sleep(0.05)
+        assert [a.push.transfer_id for a in arrivals] == ["refused", "landed"]
+        ce.confirm(arrivals[0], ok=False, error="unknown transfer")
+        assert ce.land(arrivals[1], ce_cache) is None  # its checksum holds in our blocks
+        ce.confirm(arrivals[1], ok=True)
+        assert torch.equal(ce_cache.kv[[3, 0, 1]], pe_kv[[4, 2, 5]])
+        assert torch.count_nonzero(ce_cache.kv[[2, 4, 5]]) == 0
+        acks = []
+        for _ in range(200):
+            acks += pe.events()
+            if len(acks) == 2 and pe.staged_bytes == 0:
+                break
+            time.sleep(0.05)
+        assert sorted((a.transfer_id, a.ok) for a in acks) == [("landed", True), ("refused", False)]
+        assert pe.staged_bytes == 0  # both regions back once their sends completed
+    finally:
+        pe.close()
+        ce.close()

@@ -141,10 +141,12 @@ def test_killed_ce_during_transfer_pe_recovers_within_lease(tmp_path, prompt_ids
         ce.stop()
 
 
-def test_cuda_ipc_connector_across_processes(tmp_path, prompt_ids):
-    """The device transport between two processes (on CPU its staging pool is shared memory):
-    the CE copies the K/V out of the PE's pool, checks it, and decodes NORMAL's tokens."""
-    kv = ["--kv-connector", "cuda_ipc"]
+@pytest.mark.parametrize("connector", ["cuda_ipc", "nccl"])
+def test_device_connectors_across_processes(tmp_path, prompt_ids, connector):
+    """The device transports between two processes: on CPU the cuda_ipc staging pool is shared
+    memory and the nccl pair is a gloo group. The CE gets the K/V out of the PE's pool, checks
+    it, and decodes NORMAL's tokens."""
+    kv = ["--kv-connector", connector]
     ce = Server(["serve", "--role", "completion", *ENGINE, *kv], tmp_path / "ce.log")
     pe = Server(["serve", "--role", "prompt", *ENGINE, *kv], tmp_path / "pe.log")
     ce.start(wait=False)
@@ -157,7 +159,7 @@ def test_cuda_ipc_connector_across_processes(tmp_path, prompt_ids):
                     for o in make_llm(kv_cache_memory=512 << 20).generate(
                         [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
         for i, (prompt, want) in enumerate(zip(prompts, expected)):
-            result = pd_generate(pe.url, ce.url, f"ipc-{i}", prompt, GREEDY)
+            result = pd_generate(pe.url, ce.url, f"{connector}-{i}", prompt, GREEDY)
             assert result["prefill_status"] == 200, result
             assert result["tokens"] == want
         for server in (pe, ce):

@@ -16,7 +16,7 @@ from pdinfer.kv_transfer.protocol import KVLayout
 DEFAULT_LEASE_S = 30.0  # PE: free a handed-over request's blocks if the CE has not confirmed
 DEFAULT_RESERVATION_TIMEOUT_S = 60.0  # CE: drop a reservation whose K/V never arrived
 DEFAULT_DECODE_MARGIN_TOKENS = 16  # CE: reserve this much room for decode beyond the prompt
-CONNECTORS = ("tcp", "local", "mooncake", "cuda_ipc")
+CONNECTORS = ("tcp", "local", "mooncake", "cuda_ipc", "nccl")
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class KVTransferConfig:
     """``EngineArgs.kv_transfer`` turned into settings (unknown keys are refused)."""
 
     connector: str = "tcp"  # "tcp", "local", "mooncake" (optional, see kv_transfer/mooncake.py),
-    # or "cuda_ipc" (one host, device to device)
+    # "cuda_ipc" (one host, device to device) or "nccl" (NCCL send/recv, gloo on CPU)
     host: str = "127.0.0.1"  # CE: where to listen
     port: int = 0  # CE: 0 picks a free port
     name: str | None = None  # local connector: the address name
@@ -32,7 +32,7 @@ class KVTransferConfig:
     lease_s: float = DEFAULT_LEASE_S
     reservation_timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S
     decode_margin_tokens: int = DEFAULT_DECODE_MARGIN_TOKENS
-    staging_mib: int = 1024  # cuda_ipc: the PE's device staging pool (grows when full)
+    staging_mib: int = 1024  # cuda_ipc, nccl: the PE's device staging pool (grows when full)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> KVTransferConfig:
@@ -68,6 +68,11 @@ class KVTransferConfig:
 
             return CudaIpcConnector(self.host if listen else None, self.port, secret=self.secret, engine_type=engine_type,
                        device=device, staging_bytes=self.staging_mib << 20)
+        if self.connector == "nccl":  # device to device over a NCCL pair (gloo on a CPU KV cache)
+            from pdinfer.kv_transfer.nccl import NcclConnector
+
+            return NcclConnector(self.host if listen else None, self.port, secret=self.secret,
+                                 engine_type=engine_type, device=device, staging_bytes=self.staging_mib << 20)
         from pdinfer.kv_transfer.tcp import TcpConnector
 
         return TcpConnector(self.host if listen else None, self.port, secret=self.secret,
