@@ -253,7 +253,7 @@ def part_dp(setup: Setup, out: Path, rank: int, port: int) -> None:
     alone_s = time.perf_counter() - start
     settle(engine)
     engine.scheduler.dp_group = group
-    group.join()
+    group.join(device=engine.device)
     steps = [0]
 
     def lockstep():  # every rank steps while any rank has work (as dp_rank.py's loop)
@@ -274,10 +274,18 @@ def part_dp(setup: Setup, out: Path, rank: int, port: int) -> None:
         engine.step()  # the other rank still has work: companion steps
     together_s = time.perf_counter() - start
     calls, ns = group.num_calls - calls0, group.total_ns - ns0
+    # The vote alone: back-to-back all-reduces, no step between them to wait for.
+    for _ in range(10):
+        group.all_reduce_min([0, 1])
+    calls1, ns1 = group.num_calls, group.total_ns
+    for _ in range(200):
+        group.all_reduce_min([rank, 1])
+    vote_us = (group.total_ns - ns1) / 1e3 / (group.num_calls - calls1)
     write(out, {"rank": rank, "equal": sum(alone[r]["tokens"] == together[r]["tokens"] for r in alone),
                 "of": len(alone), "dp1_s": alone_s, "dp2_s": together_s, "steps": steps[0],
                 "allreduce_calls": calls, "allreduce_ms_total": ns / 1e6,
                 "allreduce_us_per_call": ns / 1e3 / max(1, calls), "allreduce_us_per_step": ns / 1e3 / max(1, steps[0]),
+                "vote_alone_us": vote_us,
                 "tokens": sum(len(r["tokens"]) for r in together.values()),
                 "free_blocks": [engine.get_num_free_blocks(), engine.num_blocks]})
     engine.shutdown()

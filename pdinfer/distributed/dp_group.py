@@ -68,14 +68,21 @@ class TorchDPGroup:
         self.total_ns = 0  # time inside all_reduce_min, waiting for the slowest rank included
         self._joined = False
 
-    def join(self, startup_timeout_s: float = 600.0) -> None:
+    def join(self, startup_timeout_s: float = 600.0, device: torch.device | str | None = None) -> None:
+        """Wait for every rank's model, then form the group. ``device``: the engine's GPU, where
+        an NCCL vote runs (default: the current CUDA device, right when CUDA_VISIBLE_DEVICES
+        gives each rank one GPU; a rank given ``cuda:N`` among several must pass it)."""
         startup = timedelta(seconds=startup_timeout_s)
         client = dist.TCPStore(self.master_addr, self.master_port, is_master=False, timeout=startup)
         store = dist.PrefixStore(f"pdinfer-dp/{self.generation}/", client)
         store.set(f"loaded/{self.rank}", "1")
         store.wait([f"loaded/{r}" for r in range(self.size)], startup)
         if self.backend == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+            if self.device.type != "cuda":
+                raise ValueError(f"the NCCL DP backend needs a CUDA device, got {self.device}")
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             self._stream = torch.cuda.Stream(self.device)
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size,
                                 timeout=timedelta(seconds=self.timeout_s))

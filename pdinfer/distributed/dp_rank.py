@@ -169,7 +169,7 @@ def run_rank(cfg: RankConfig) -> int:
         group = TorchDPGroup(cfg.rank, cfg.size, cfg.master_addr, cfg.master_port,
                              generation=cfg.generation, backend=cfg.backend, timeout_s=cfg.timeout_s)
         engine = LLMEngine(engine_args_from_dict(cfg.engine_args), dp_group=group)
-        group.join(cfg.startup_timeout_s)
+        group.join(cfg.startup_timeout_s, device=engine.device)
         channel.send(RankReady(cfg.rank, cfg.generation, os.getpid(), engine.num_blocks,
                                engine.cache_config.block_size))
         RankLoop(cfg, engine, group, channel).run()
