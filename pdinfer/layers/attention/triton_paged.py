@@ -294,13 +294,16 @@ def prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: GpuAtten
     d_pad = next_pow2(dim)
     cfg = PREFILL_CONFIG
     warps = cfg["num_warps"] if d_pad >= 128 else 4
+    # fp32 tiles are twice the bytes: 128 x 128 K/V tiles in two stages need 256 KiB of shared
+    # memory at head_dim 128, above the H200's 227 KiB; half-width key tiles fit.
+    block_n = cfg["block_n"] if q.element_size() <= 2 else 64
     bt = meta.block_tables
     _prefill_kernel[(meta.num_work, h)](
         q, c, bt, meta.context_lens, meta.query_start, meta.work_seq, meta.work_tile, out,
         q.stride(0), q.stride(1), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
         bt.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
         GROUP=group, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=c.shape[2], BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=cfg["block_n"], PRECISION=_precision(q), num_warps=warps, num_stages=cfg["num_stages"])
+        BLOCK_N=block_n, PRECISION=_precision(q), num_warps=warps, num_stages=cfg["num_stages"])
     return out
 
 
