@@ -128,6 +128,26 @@ def test_completions_greedy_equal_llm(client, greedy_texts):
     assert [c.text for c in batch.choices] == [greedy_texts[12][2], greedy_texts[12][5]]
 
 
+def test_return_token_ids_gives_llm_tokens_whole_and_streamed(client, llm):
+    """vLLM's ``return_token_ids`` extra: each choice also lists its token ids (what a client
+    without the tokenizer compares), in the whole answer and across stream chunks."""
+    ids = [PROMPTS[3], [5, 17, 400, 9000, 33]]  # a text prompt and a token-id prompt
+    expected = [o.outputs[0].token_ids for o in llm.generate(
+        [ids[0], {"prompt_token_ids": ids[1]}], SamplingParams(temperature=0.0, max_tokens=10,
+                                                               ignore_eos=True), use_tqdm=False)]
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    whole = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=10, temperature=0,
+                                      extra_body=extra)
+    assert whole.choices[0].model_extra["token_ids"] == expected[0]
+    streamed = []
+    for chunk in client.completions.create(model=MODEL, prompt=ids[1], max_tokens=10, temperature=0,
+                                           stream=True, extra_body=extra):
+        streamed += chunk.choices[0].model_extra["token_ids"]
+    assert streamed == expected[1]
+    plain = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=2, temperature=0)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+
+
 def test_chat_stream_joins_to_the_non_stream_text(client, greedy_texts):
     full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
     assert full.choices[0].message.role == "assistant"

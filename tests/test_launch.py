@@ -254,3 +254,13 @@ def test_short_prompts_go_to_the_normal_engine(references, tmp_path):
         assert f'pdinfer_router_requests_routed_total{{engine="{decode}",role="decode"}} 1.0' in metrics
     finally:
         stop(proc)
+
+
+def test_engines_get_one_gpu_each_in_turn():
+    from pdinfer.serving.launch import engine_devices
+
+    assert engine_devices("auto", 3, num_gpus=2) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert engine_devices("cuda", 2, num_gpus=4) == ["cuda:0", "cuda:1"]
+    assert engine_devices("auto", 2, num_gpus=1) == [None, None]  # one GPU: all share it
+    assert engine_devices("cuda:1", 2, num_gpus=2) == [None, None]  # an explicit device wins
+    assert engine_devices("cpu", 2, num_gpus=2) == [None, None]

@@ -179,6 +179,24 @@ def test_bad_requests_get_4xx_and_the_router_keeps_serving(cluster):
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
 
 
+def test_pd_through_the_router_returns_llm_token_ids(cluster):
+    """A token-id prompt through PE -> CE behind the router: with ``return_token_ids`` the answer
+    lists NORMAL's greedy tokens (how the GPU run compares outputs without a tokenizer)."""
+    from conftest import make_llm
+
+    from pdinfer import SamplingParams
+
+    prompt = [7, 300, 1200, 45, 9000, 12, 77, 4096]
+    expected = make_llm(kv_cache_memory=512 << 20, max_model_len=1024).generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].token_ids
+    client = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0,
+                           timeout=300)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert out.choices[0].model_extra["token_ids"] == expected
+
+
 def _stream_all(url: str, prompts: list[str], max_tokens: int, results: dict) -> None:
     """One thread per request: results[i] = ("completed", tokens) or ("error", message)."""
 

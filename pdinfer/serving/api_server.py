@@ -150,8 +150,8 @@ class OpenAIServer:
             for stream in gen.streams:
                 stream.close()
 
-    async def _deltas(self, gen: _Generation) -> AsyncIterator[Delta]:
-        tracker = DeltaTracker()
+    async def _deltas(self, gen: _Generation, token_ids: bool = False) -> AsyncIterator[Delta]:
+        tracker = DeltaTracker(token_ids)
         async for i, output in self._outputs(gen):
             for c in output.outputs:
                 delta = tracker.update(i * gen.n + c.index, c.text, c.token_ids, c.logprobs,
@@ -188,9 +188,9 @@ class OpenAIServer:
 
     async def _respond(self, gen: _Generation, body, request: Request, chat: bool):
         fmt = ResponseFormat(self.engine.tokenizer, self.model_name, gen.streams[0].request_id,
-                             chat, gen.logprobs)
+                             chat, gen.logprobs, body.return_token_ids)
         if body.stream:
-            chunks = (fmt.chunk(d) async for d in self._deltas(gen))
+            chunks = (fmt.chunk(d) async for d in self._deltas(gen, body.return_token_ids))
             return sse_response(chunks, fmt, gen.usage, body.include_usage, self._count_error,
                                 lambda: [stream.close() for stream in gen.streams])
         await self._collect(request, gen)

@@ -116,10 +116,12 @@ class Delta:
 
 class DeltaTracker:
     """Turns each choice's cumulative state into deltas; None when there is nothing to show yet
-    (e.g. half of a multi-byte character)."""
+    (e.g. half of a multi-byte character). With ``token_ids`` (the client asked for
+    ``return_token_ids``) every new token is something to show, text or not."""
 
-    def __init__(self) -> None:
+    def __init__(self, token_ids: bool = False) -> None:
         self._seen: dict[int, tuple[int, int, bool]] = {}  # choice -> (chars, tokens, finished)
+        self._token_ids = token_ids
 
     def update(self, index: int, text: str, token_ids: list[int],
                logprobs: list[dict[int, float]] | None, finish_reason: str | None) -> Delta | None:
@@ -129,7 +131,7 @@ class DeltaTracker:
         new_text = text[num_chars:] if len(text) >= num_chars else ""
         new_ids = token_ids[num_tokens:]
         new_logprobs = logprobs[num_tokens:] if logprobs is not None else None
-        if not (new_text or finish_reason or (new_logprobs and new_ids)):
+        if not (new_text or finish_reason or (new_ids and (new_logprobs or self._token_ids))):
             return None
         self._seen[index] = (max(num_chars, len(text)), len(token_ids), finish_reason is not None)
         return Delta(index, new_text, new_ids, new_logprobs, finish_reason, num_chars)
@@ -139,10 +141,11 @@ class ResponseFormat:
     """The OpenAI shapes of one request's answer (completion or chat, whole or streamed)."""
 
     def __init__(self, tokenizer, model_name: str, request_id: str, chat: bool,
-                 logprobs: int | None):
+                 logprobs: int | None, return_token_ids: bool = False):
         self.tokenizer = tokenizer
         self.chat = chat
         self.num_logprobs = logprobs
+        self.return_token_ids = return_token_ids  # each choice (or chunk) also lists its tokens
         self.head = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                      "created": int(time.time()), "model": model_name}
         self.chunk_head = {**self.head, "object": "chat.completion.chunk"} if chat else self.head
@@ -167,14 +170,14 @@ class ResponseFormat:
             delta["content"] = d.text
         return {**self.chunk_head, "choices": [{"index": d.index, "delta": delta,
                                                 "logprobs": self.logprobs(d),
-                                                "finish_reason": d.finish_reason}]}
+                                                "finish_reason": d.finish_reason, **self._ids(d)}]}
 
     def body(self, finals: list[Delta], usage: dict) -> dict:
         """The whole answer, from each choice's complete text (``finals``)."""
         finals = sorted(finals, key=lambda d: d.index)
         if self.chat:
             choices = [{"index": d.index, "message": {"role": "assistant", "content": d.text},
-                        "logprobs": self.logprobs(d), "finish_reason": d.finish_reason}
+                        "logprobs": self.logprobs(d), "finish_reason": d.finish_reason, **self._ids(d)}
                        for d in finals]
         else:
             choices = [self._completion_choice(d) for d in finals]
@@ -185,7 +188,10 @@ class ResponseFormat:
 
     def _completion_choice(self, d: Delta) -> dict:
         return {"index": d.index, "text": d.text, "logprobs": self.logprobs(d),
-                "finish_reason": d.finish_reason}
+                "finish_reason": d.finish_reason, **self._ids(d)}
+
+    def _ids(self, d: Delta) -> dict:
+        return {"token_ids": list(d.token_ids)} if self.return_token_ids else {}
 
 
 def sse_event(payload: dict) -> str:

@@ -1,7 +1,8 @@
 """``pdinfer launch``: a whole local P/D cluster in one command.
 
 Starts ``--prefill N`` PROMPT engines, ``--decode M`` COMPLETION engines and ``--normal K`` NORMAL
-engines (``pdinfer serve --role ...`` on free local ports, each with the engine flags given here),
+engines (``pdinfer serve --role ...`` on free local ports, each with the engine flags given here;
+on a host with several GPUs, one GPU per engine in turn, see ``engine_devices``),
 then ``pdinfer router`` in front of them; waits until the router sees every engine healthy and
 prints the URL. Each child runs in its own process group (and, on Linux, gets SIGTERM if this
 process dies). Ctrl-C or SIGTERM stops them all: SIGTERM to each group, SIGKILL to what is left
@@ -95,12 +96,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def engine_devices(device: str, num_engines: int, num_gpus: int | None = None) -> list[str | None]:
+    """With several GPUs visible and ``--device`` auto or cuda, engine k runs on GPU k mod the
+    count (PE 0 on cuda:0, CE 0 on cuda:1 for ``--prefill 1 --decode 1`` on two GPUs); every
+    process still sees every GPU, as the device KV transports need. Otherwise None: the flag as
+    given."""
+    if device not in ("auto", "cuda"):
+        return [None] * num_engines
+    if num_gpus is None:
+        import torch
+
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if num_gpus < 2:
+        return [None] * num_engines
+    return [f"cuda:{k % num_gpus}" for k in range(num_engines)]
+
+
 def _children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
     pdinfer = [sys.executable, "-m", "pdinfer.cli"]
     flags = engine_flags(args)
     num_engines = args.prefill + args.decode + args.normal
     if args.num_threads is None:  # engines on one machine share its cores
         flags += ["--num-threads", str(max(1, (os.cpu_count() or 1) // num_engines))]
+    devices = engine_devices(args.device, num_engines)
     children: list[Child] = []
     for role, count in (("prompt", args.prefill), ("completion", args.decode),
                         ("normal", args.normal)):
@@ -108,6 +126,9 @@ def _children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
             port = _free_port()
             cmd = [*pdinfer, "serve", "--role", role, "--host", "127.0.0.1", "--port", str(port),
                    *flags]
+            device = devices[len(children)]
+            if device is not None:
+                cmd += ["--device", device]
             children.append(Child(f"{role}-{i}", cmd, f"http://127.0.0.1:{port}",
                                   log_dir / f"{role}-{i}.log"))
     router = [*pdinfer, "router", "--host", args.host, "--port", str(args.port)]

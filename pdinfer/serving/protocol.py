@@ -86,6 +86,7 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False  # extra
     skip_special_tokens: bool = True  # extra
     include_stop_str_in_output: bool = False  # extra
+    return_token_ids: bool = False  # extra (vLLM's name): each choice also carries "token_ids"
     user: str | None = None
 
     @property

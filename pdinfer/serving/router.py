@@ -177,9 +177,10 @@ class Router:
             raise APIError(503, "no healthy prefill and completion engines to serve this request",
                            type="server_error", code="no_engine")
         gen = self._start(prefix, prompts, params)
-        fmt = ResponseFormat(self.tokenizer, self.model_name, gen.request_id, chat, params.logprobs)
+        fmt = ResponseFormat(self.tokenizer, self.model_name, gen.request_id, chat, params.logprobs,
+                             body.return_token_ids)
         if body.stream:
-            chunks = (fmt.chunk(d) async for d in self._deltas(gen))
+            chunks = (fmt.chunk(d) async for d in self._deltas(gen, body.return_token_ids))
             return sse_response(chunks, fmt, gen.usage, body.include_usage, self._count_error,
                                 gen.cancel)
         await run_unless_disconnected(request, self._drain(gen))
@@ -195,8 +196,8 @@ class Router:
             gen.tasks.append(asyncio.ensure_future(self.driver.drive(job)))
         return gen
 
-    async def _deltas(self, gen: _Generation) -> AsyncIterator[Delta]:
-        tracker, remaining = DeltaTracker(), len(gen.tasks)
+    async def _deltas(self, gen: _Generation, token_ids: bool = False) -> AsyncIterator[Delta]:
+        tracker, remaining = DeltaTracker(token_ids), len(gen.tasks)
         try:
             while remaining:
                 i, kind, payload = await gen.queue.get()

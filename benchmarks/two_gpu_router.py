@@ -1,0 +1,214 @@
+"""P/D on two GPUs behind the router, the way a user runs it: ``pdinfer launch``, HTTP in front.
+
+    python benchmarks/two_gpu_router.py [--out DIR] [--connector nccl] [--dry-run]
+
+1. ``pdinfer serve --role normal`` on GPU 0 alone; the workload through its OpenAI API.
+2. ``pdinfer launch --prefill 1 --decode 1`` (PE on GPU 0, CE on GPU 1: launch gives each engine
+   its own GPU) with the router in front; the same workload through the router.
+Each request streams with ``return_token_ids``, so outputs compare token for token without a
+tokenizer (the 8B shape has dummy weights and none). Prints TTFT, TPOT and throughput of both,
+whether P/D's tokens equal NORMAL's, and every engine's free KV blocks after the run
+(``/debug/kv``). ``--dry-run``: the same on CPU with the SmolLM2 shape, to test the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+SAFETY = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    from pdinfer.env import child_environ
+
+    env = child_environ({**SAFETY, "PYTHONUNBUFFERED": "1"})
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, "-m", "pdinfer.cli", *args], stdout=f, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"not healthy in {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)  # our own child's process group
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """Stream one completion; token ids, TTFT and end time (s from the request)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    start, first, tokens, error = time.perf_counter(), None, [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as resp:
+        if resp.status_code != 200:
+            return {"error": f"HTTP {resp.status_code}: {resp.read()[:300]!r}", "tokens": [], "ttft": 0, "done": 0}
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                error = chunk["error"]
+                continue
+            for choice in chunk.get("choices", []):
+                if choice.get("token_ids"):
+                    first = first or time.perf_counter() - start
+                    tokens += choice["token_ids"]
+    return {"tokens": tokens, "ttft": first or 0.0, "done": time.perf_counter() - start, "error": error}
+
+
+def run_workload(url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
+    results: dict[int, dict] = {}
+    lock = threading.Lock()
+    queue = list(range(len(prompts)))
+    start = time.perf_counter()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                i = queue.pop(0)
+            results[i] = one_request(url, model, prompts[i], max_tokens)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    span = time.perf_counter() - start
+    ttft = sorted(r["ttft"] for r in results.values())
+    tpot = sorted((r["done"] - r["ttft"]) / max(1, len(r["tokens"]) - 1) for r in results.values())
+    return {"tokens": {str(i): results[i]["tokens"] for i in sorted(results)},
+            "errors": [r["error"] for r in results.values() if r["error"]],
+            "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p50_s": ttft[len(ttft) // 2],
+            "tpot_mean_ms": 1e3 * sum(tpot) / len(tpot), "tpot_p50_ms": 1e3 * tpot[len(tpot) // 2],
+            "out_tok_s": sum(len(r["tokens"]) for r in results.values()) / span, "span_s": span}
+
+
+def kv_state(url: str) -> list[int]:
+    state = httpx.get(f"{url}/debug/kv", timeout=10).json()
+    return [state["free_blocks"], state["total_blocks"]]
+
+
+def blocks_back(url: str, timeout_s: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    state = kv_state(url)
+    while state[0] != state[1] and time.monotonic() < deadline:
+        time.sleep(0.3)
+        state = kv_state(url)
+    return state
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out/two_gpu_router"))
+    parser.add_argument("--connector", default="nccl")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dry = args.dry_run
+    model_flags = ["--model", "preset:smollm2-135m" if dry else "preset:llama-3.1-8b", "--load-format", "dummy"]
+    model_flags += (["--device", "cpu", "--kv-cache-memory", "512MiB", "--max-model-len", "1024"] if dry
+                    else ["--max-model-len", "4096", "--max-num-seqs", "64"])
+    rng = random.Random(11)
+    vocab = 49152 if dry else 128256
+    n, lo, hi = (6, 20, 120) if dry else (args.num_prompts, 256, 2048)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    max_tokens = 8 if dry else 128
+    concurrency = 3 if dry else args.concurrency
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "connector": args.connector}
+
+    # 1. NORMAL on GPU 0
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = out / "normal.log"
+    proc = start(["serve", "--role", "normal", *model_flags, *([] if dry else ["--device", "cuda:0"]),
+                  "--port", str(port)], log)
+    try:
+        wait_healthy(url, proc, log, 600)
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        one_request(url, model, prompts[0][:64], 4)  # warm-up
+        result["normal"] = run_workload(url, model, prompts, max_tokens, concurrency)
+        result["normal"]["blocks"] = blocks_back(url)
+    finally:
+        stop(proc)
+    print(f"NORMAL done: {result['normal']['out_tok_s']:.0f} tok/s", flush=True)
+
+    # 2. P/D behind the router: PE on GPU 0, CE on GPU 1 (launch assigns them)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = out / "launch.log"
+    proc = start(["launch", "--prefill", "1", "--decode", "1", *model_flags, "--kv-connector", args.connector,
+                  "--port", str(port), "--log-dir", str(out)], log)
+    try:
+        wait_healthy(url, proc, log, 900)
+        deadline = time.monotonic() + 300
+        engines = httpx.get(f"{url}/debug/engines", timeout=10).json()
+        while not all(e["healthy"] for e in engines) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            engines = httpx.get(f"{url}/debug/engines", timeout=10).json()
+        one_request(url, model, prompts[0][:64], 4)
+        result["pd"] = run_workload(url, model, prompts, max_tokens, concurrency)
+        result["pd"]["blocks"] = {e["url"]: blocks_back(e["url"]) for e in engines}
+        result["pd"]["engines"] = engines
+    finally:
+        stop(proc)
+    (out / "two_gpu_router.json").write_text(json.dumps(result, indent=1))
+    print(table(result), flush=True)
+
+
+def table(r: dict) -> str:
+    normal, pd = r["normal"], r["pd"]
+    same = sum(pd["tokens"].get(k) == v for k, v in normal["tokens"].items())
+    lines = ["| setup | TTFT mean (p50) | TPOT mean | output tok/s | errors | KV blocks after |",
+             "|---|---|---|---|---|---|"]
+    for name, w, blocks in (("NORMAL, GPU 0, `pdinfer serve`", normal, [normal["blocks"]]),
+                            (f"P/D {r['connector']}, PE GPU 0 + CE GPU 1, `pdinfer launch` + router", pd,
+                             list(pd["blocks"].values()))):
+        lines.append(f"| {name} | {w['ttft_mean_s']:.2f} s ({w['ttft_p50_s']:.2f}) | {w['tpot_mean_ms']:.1f} ms | "
+                     f"{w['out_tok_s']:.0f} | {len(w['errors'])} | "
+                     + ", ".join(f"{b[0]}/{b[1]}" for b in blocks) + " |")
+    lines.append(f"\nP/D tokens = NORMAL tokens (greedy, through HTTP): {same}/{len(normal['tokens'])} requests")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
