@@ -129,6 +129,22 @@ _GROUP_SCRIPT = textwrap.dedent("""
 """)
 
 
+def test_the_rendezvous_store_listens_on_its_host_only():
+    """TCPStore's own server listens on every interface; ours is bound to the host given
+    (127.0.0.2 is loopback too, so a store on every interface would answer there)."""
+    import socket
+
+    from pdinfer.distributed.dp_group import host_store
+
+    store = host_store("127.0.0.1")
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.connect(("127.0.0.2", store.port))
+    with socket.socket() as s:
+        s.connect(("127.0.0.1", store.port))
+
+
 @pytest.mark.parametrize("how", ["die", "hang"])
 def test_a_collective_with_a_dead_or_stuck_peer_fails_within_the_group_timeout(how):
     from pdinfer.distributed.dp_group import host_store

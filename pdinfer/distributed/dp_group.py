@@ -21,6 +21,7 @@ With NCCL the watchdog enforces the same timeout by aborting the process.
 
 from __future__ import annotations
 
+import socket
 import time
 from datetime import timedelta
 
@@ -32,11 +33,26 @@ class DPGroupError(RuntimeError):
     """A collective of the DP group failed: a peer died, or did not answer within the timeout."""
 
 
-def host_store(host: str, port: int = 0) -> dist.TCPStore:
-    """The rendezvous store the front keeps for the life of the service (port 0: a free one,
-    read it back from ``.port``)."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=30))
+def host_store(host: str, port: int = 0, timeout_s: float = 30.0) -> dist.TCPStore:
+    """A rendezvous store served on ``host`` only (port 0: a free one, read it back from
+    ``.port``): the DP front's, and the CE's for NCCL K/V pairs.
+
+    TCPStore's own server listens on every interface whatever host it is given, and it has no
+    authentication; so we bind the listening socket to ``host`` ourselves and hand it over
+    (``master_listen_fd``; the store owns it from then on)."""
+    timeout = timedelta(seconds=timeout_s)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+        return dist.TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                             timeout=timeout, master_listen_fd=sock.detach())
+    except BaseException:
+        sock.close()
+        raise
 
 
 def default_backend(device: str = "auto", exclusive_gpus: bool = True) -> str:

@@ -78,8 +78,9 @@ class NcclConnector(CudaIpcConnector):
         self._store = None
         self._store_address = ""
         if listen_host is not None:  # CE: the rendezvous of every pair it forms
-            self._store = dist.TCPStore(listen_host, 0, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+            from pdinfer.distributed.dp_group import host_store
+
+            self._store = host_store(listen_host, 0, GROUP_TIMEOUT_S)  # bound to listen_host only
             self._store_address = f"{listen_host}:{self._store.port}"
         self._groups: dict[bytes, Future] = {}  # CE: PE identity -> its pair group
         self._received: dict[str, tuple[torch.Tensor, object]] = {}  # CE: transfer id -> (buffer, recv)
