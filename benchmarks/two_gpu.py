@@ -116,9 +116,9 @@ def main() -> None:
         run.wait([run.spawn("ce", "--port", port, "--kinds", "cuda_ipc,nccl,tcp"),
                   run.spawn("pe", "--port", port, "--kinds", "cuda_ipc,nccl,tcp")], 240)
     if "dp" in parts:
-        from torch.distributed import TCPStore
+        from pdinfer.distributed.dp_group import host_store
 
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store = host_store("127.0.0.1")
         run.wait([run.spawn("dp0", "--rank", "0", "--port", str(store.port)),
                   run.spawn("dp1", "--rank", "1", "--port", str(store.port))], 90)
     log(f"\ntotal {time.monotonic() - run.start:.0f} s\n")

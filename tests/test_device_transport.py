@@ -18,9 +18,10 @@ from pdinfer.engine.completion_engine import CompletionEngine
 from pdinfer.engine.pd_common import KVTransferConfig
 from pdinfer.engine.pd_pair import PDPair
 from pdinfer.engine.prefill_engine import PrefillEngine
-from pdinfer.kv_transfer.cuda_ipc import (
+from pdinfer.kv_transfer.cuda_ipc import CudaIpcConnector
+from pdinfer.kv_transfer.protocol import Hello, KVLayout, KVPush, decode, encode
+from pdinfer.kv_transfer.staging import (
     CHECKSUM_MODULUS,
-    CudaIpcConnector,
     RegionAllocator,
     Segment,
     SegmentInfo,
@@ -30,7 +31,6 @@ from pdinfer.kv_transfer.cuda_ipc import (
     open_segment,
     stage_into,
 )
-from pdinfer.kv_transfer.protocol import Hello, KVLayout, KVPush, decode, encode
 
 MEM = 640 << 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

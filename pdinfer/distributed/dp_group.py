@@ -94,11 +94,10 @@ class TorchDPGroup:
         store.set(f"loaded/{self.rank}", "1")
         store.wait([f"loaded/{r}" for r in range(self.size)], startup)
         if self.backend == "nccl":
-            self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-            if self.device.type != "cuda":
-                raise ValueError(f"the NCCL DP backend needs a CUDA device, got {self.device}")
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
+            device = torch.device(device if device is not None else "cuda")
+            if device.type != "cuda":
+                raise ValueError(f"the NCCL DP backend needs a CUDA device, got {device}")
+            self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
             self._stream = torch.cuda.Stream(self.device)
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size,
                                 timeout=timedelta(seconds=self.timeout_s))

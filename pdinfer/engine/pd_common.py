@@ -63,16 +63,13 @@ class KVTransferConfig:
 
             return MooncakeConnector(self.host if listen else None, self.port, secret=self.secret,
                                      engine_type=engine_type, host=self.host)
-        if self.connector == "cuda_ipc":  # a device transport: it stages on ``device``
-            from pdinfer.kv_transfer.cuda_ipc import CudaIpcConnector
-
-            return CudaIpcConnector(self.host if listen else None, self.port, secret=self.secret, engine_type=engine_type,
+        if self.connector in ("cuda_ipc", "nccl"):  # device transports: they stage on ``device``
+            if self.connector == "cuda_ipc":
+                from pdinfer.kv_transfer.cuda_ipc import CudaIpcConnector as cls
+            else:  # a NCCL pair (gloo on a CPU KV cache)
+                from pdinfer.kv_transfer.nccl import NcclConnector as cls
+            return cls(self.host if listen else None, self.port, secret=self.secret, engine_type=engine_type,
                        device=device, staging_bytes=self.staging_mib << 20)
-        if self.connector == "nccl":  # device to device over a NCCL pair (gloo on a CPU KV cache)
-            from pdinfer.kv_transfer.nccl import NcclConnector
-
-            return NcclConnector(self.host if listen else None, self.port, secret=self.secret,
-                                 engine_type=engine_type, device=device, staging_bytes=self.staging_mib << 20)
         from pdinfer.kv_transfer.tcp import TcpConnector
 
         return TcpConnector(self.host if listen else None, self.port, secret=self.secret,

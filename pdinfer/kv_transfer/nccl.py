@@ -29,13 +29,9 @@ import torch
 import torch.distributed as dist
 
 from pdinfer.kv_transfer.connector import HandshakeError
-from pdinfer.kv_transfer.cuda_ipc import (
-    DEFAULT_STAGING_BYTES,
-    CudaIpcConnector,
-    StagedKV,
-    land_blocks,
-)
+from pdinfer.kv_transfer.cuda_ipc import CudaIpcConnector
 from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVPush, encode
+from pdinfer.kv_transfer.staging import DEFAULT_STAGING_BYTES, StagedKV, land_blocks
 
 logger = logging.getLogger("pdinfer")
 
@@ -151,29 +147,30 @@ class NcclConnector(CudaIpcConnector):
     def _wait_sends(self, sends: queue.Queue) -> None:
         while (item := sends.get()) is not None:
             transfer_id, work = item
-            try:
-                if self.device.type == "cuda":  # NCCL: wait() would only order streams
-                    deadline = time.monotonic() + GROUP_TIMEOUT_S
-                    while not work.is_completed():
-                        if time.monotonic() > deadline:
-                            raise TimeoutError(f"no matching receive in {GROUP_TIMEOUT_S:.0f} s")
-                        time.sleep(0.0002)
-                else:  # gloo: a send is complete only once waited for
-                    work.wait()
-            except Exception as exc:  # noqa: BLE001 - the region stays out of the pool, never reused
-                logger.warning("KV send of transfer %s did not complete (%s): its %d staging bytes "
-                               "stay reserved", transfer_id, exc, self._regions[transfer_id].nbytes
-                               if transfer_id in self._regions else 0)
-                with self._sends_lock:
-                    self._sending.discard(transfer_id)
-                    self._release_after_send.discard(transfer_id)
-                continue
+            done = self._wait_send(transfer_id, work)
             with self._sends_lock:
                 self._sending.discard(transfer_id)
-                release = transfer_id in self._release_after_send
+                release = done and transfer_id in self._release_after_send
                 self._release_after_send.discard(transfer_id)
             if release:
                 super()._release(transfer_id)
+
+    def _wait_send(self, transfer_id: str, work) -> bool:
+        """Wait for one send; False if it failed (its region then stays out of the pool)."""
+        try:
+            if self.device.type != "cuda":  # gloo: a send is complete only once waited for
+                work.wait()
+                return True
+            deadline = time.monotonic() + GROUP_TIMEOUT_S  # NCCL: wait() would only order streams
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no matching receive in {GROUP_TIMEOUT_S:.0f} s")
+                time.sleep(0.0002)
+            return True
+        except Exception as exc:  # noqa: BLE001 - reported; the region is never reused
+            logger.warning("KV send of transfer %s did not complete (%s): its staging region stays "
+                           "reserved", transfer_id, exc)
+            return False
 
     def _release(self, transfer_id: str) -> None:
         """Free a push's region on its ack or abort, or, while its send is still in flight (an

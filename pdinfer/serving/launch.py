@@ -106,7 +106,7 @@ def engine_devices(device: str, num_engines: int, num_gpus: int | None = None) -
     if num_gpus is None:
         import torch
 
-        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        num_gpus = torch.cuda.device_count()  # 0 without CUDA
     if num_gpus < 2:
         return [None] * num_engines
     return [f"cuda:{k % num_gpus}" for k in range(num_engines)]
