@@ -30,6 +30,18 @@ def test_batch_of_mixed_lengths_matches_transformers(llm, prompt_ids, reference)
     _check(llm, prompt_ids, reference)
 
 
+def test_small_decode_steps_read_the_gguf_blocks_and_match_transformers(llm, prompt_ids, reference):
+    from pdinfer.layers.cpu_linear import PackedLinear
+
+    layers = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, PackedLinear)]
+    spec = llm.engine.spec
+    assert len(layers) == 4 * spec.num_layers + 1  # qkv, o, gate_up, down per layer; the tied head
+    assert all(layer.quant is not None for layer in layers)
+    # Alone (batch-1 decode steps) and three at a time: the quantized path, against the floats.
+    for group in ([prompt_ids[0]], prompt_ids[1:4]):
+        _check(llm, group, reference)
+
+
 def test_text_prompts_tokenize_like_transformers(llm, tokenizer):
     text = "The capital of France is"
     by_text = llm.generate([text], GREEDY, use_tqdm=False)[0]

@@ -2,7 +2,8 @@
 
 Decode attention over the paged KV cache (native kernel and the pure-torch fallback) is compared
 with ``scaled_dot_product_attention`` over each sequence's contiguous K/V; the small GEMM and
-the fused RMSNorm / rotary / SiLU-and-mul with the torch expressions they replace.
+the fused RMSNorm / rotary / SiLU-and-mul with the torch expressions they replace; the
+block-quantized GEMMs with gguf's own quantizer and de-quantizer as the reference.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pdinfer.layers import cpu_kernels
+from pdinfer.layers.cpu_linear import QUANT_MAX_ROWS, PackedLinear, QuantWeight
 from pdinfer.layers.attention.torch_paged import TorchPagedAttention
 from pdinfer.layers.rotary import RotaryEmbedding, apply_rotary
 from pdinfer.worker.input_builder import build_attention_metadata
@@ -91,6 +93,49 @@ def test_small_gemm_matches_linear(kernels, rows):
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(cpu_kernels.small_linear(kernels, x, weight, None), F.linear(x, weight),
                                rtol=1e-5, atol=1e-4)
+
+
+def _gguf_blocks(gguf_type: str, rows: int, cols: int, seed: int):
+    """Weights quantized by gguf (the reference implementation) and gguf's de-quantization."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType[gguf_type]
+    data = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    data[0, :32] += 3.0  # a block with no negative weights: Q4_1's minimum above zero
+    raw = quantize(data, qtype)
+    return torch.from_numpy(raw), torch.from_numpy(dequantize(raw, qtype).reshape(rows, cols))
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_dequantize_exactly_like_gguf(gguf_type):
+    raw, reference = _gguf_blocks(gguf_type, 21, 96, seed=1)
+    quant = QuantWeight.from_gguf(gguf_type, raw)
+    assert torch.equal(quant.dequantize(), reference)
+    assert quant.matches(reference)
+    changed = reference.clone()
+    changed[-1, 5] += 1e-3
+    assert not quant.matches(changed)  # a row out of order or a wrong layout is refused
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, QUANT_MAX_ROWS])
+def test_quantized_gemm_matches_linear_on_dequantized_weights(kernels, gguf_type, rows):
+    raw, weight = _gguf_blocks(gguf_type, 8 * 9 + 3, 7 * 32, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 7 * 32 + 5, generator=gen)[:, 5:]  # strided input rows
+    bias = torch.randn(weight.shape[0], generator=gen)
+    quant = QuantWeight.from_gguf(gguf_type, raw)
+    ref = F.linear(x.double(), weight.double(), bias.double()).float()
+    torch.testing.assert_close(quant.linear(kernels, x, bias), ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(quant.linear(kernels, x, None), F.linear(x.double(), weight.double()).float(),
+                               rtol=1e-5, atol=1e-4)
+    # The packed layer takes the quantized path up to QUANT_MAX_ROWS rows and oneDNN above.
+    layer = PackedLinear(torch.nn.Parameter(weight), torch.nn.Parameter(bias), kernels, quant)
+    torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-4)
+    more = torch.randn(QUANT_MAX_ROWS + 1, weight.shape[1], generator=gen)
+    torch.testing.assert_close(layer(more), F.linear(more, weight, bias), rtol=1e-5, atol=1e-4)
 
 
 def test_fused_elementwise_ops_match_torch(kernels):

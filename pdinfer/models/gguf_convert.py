@@ -2,6 +2,12 @@
 
 Done once per file: the folder is cached (``PDINFER_CACHE_DIR``), and every later load reads the
 float safetensors through mmap, which takes a second instead of transformers' ~30 s.
+
+Matrices stored as Q4_0, Q4_1 or Q8_0 also keep their original blocks, in ``quantized/``
+(``blocks.safetensors``: one uint8 tensor [rows, row bytes] per Hugging Face name, Q/K rows
+un-permuted like the floats; ``types.json``: name -> GGUF type). CPU decode steps of a few
+sequences read those instead of the floats (``layers/cpu_linear.py``): the same weights, in a
+fifth to a quarter of the bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ import numpy as np
 
 logger = logging.getLogger("pdinfer")
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the quantized/ folder
+
+QUANTIZED_DIR = "quantized"
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the block formats the CPU kernels read
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -73,15 +82,28 @@ def _convert(path: Path, out: Path) -> None:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {list(_ARCHITECTURES)})")
     config = _hf_config(meta, arch, {t.name for t in reader.tensors})
     tensors: dict[str, np.ndarray] = {}
+    blocks: dict[str, np.ndarray] = {}
+    block_types: dict[str, str] = {}
     for t in reader.tensors:
         data = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         data = data.reshape([int(d) for d in reversed(t.shape.tolist())])
         name = _hf_name(t.name)
+        raw = None
+        if t.tensor_type.name in BLOCK_TYPES and data.ndim == 2:
+            raw = np.asarray(t.data, dtype=np.uint8).reshape(data.shape[0], -1)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             data = unpermute_qk(data, heads)
+            raw = None if raw is None else unpermute_qk(raw, heads)
         tensors[name] = np.ascontiguousarray(data)
+        if raw is not None:
+            blocks[name] = np.ascontiguousarray(raw)
+            block_types[name] = t.tensor_type.name
     save_file(tensors, str(out / "model.safetensors"))
+    if blocks:
+        (out / QUANTIZED_DIR).mkdir()
+        save_file(blocks, str(out / QUANTIZED_DIR / "blocks.safetensors"))
+        (out / QUANTIZED_DIR / "types.json").write_text(json.dumps(block_types, indent=1))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _save_tokenizer(path, out, meta)
 

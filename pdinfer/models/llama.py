@@ -159,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            target, shard = _map_name(name)
+            target, shard = map_checkpoint_name(name)
             if target is None or (target == "lm_head.weight" and self.lm_head is None):
                 continue
             if target not in params:
@@ -195,13 +195,16 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
 
 
+# The shards of each fused weight, in row order (``LlamaForCausalLM._shard_view``).
+SHARD_ORDER = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+
 _FUSED = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
 }
 
 
-def _map_name(name: str) -> tuple[str | None, str | None]:
+def map_checkpoint_name(name: str) -> tuple[str | None, str | None]:
     """Hugging Face tensor name -> (our parameter name, shard of a fused parameter)."""
     if name.startswith("model."):
         name = name[len("model."):]

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from pdinfer.models.gguf_convert import converted_folder
-from pdinfer.models.llama import LlamaForCausalLM
+from pdinfer.layers.cpu_linear import QuantWeight
+from pdinfer.models.gguf_convert import QUANTIZED_DIR, converted_folder
+from pdinfer.models.llama import SHARD_ORDER, LlamaForCausalLM, map_checkpoint_name
 from pdinfer.models.presets import PRESETS
 from pdinfer.models.spec import ModelSpec
 
@@ -89,6 +90,32 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name).to(dtype)
+
+
+def load_quantized_blocks(folder: str) -> dict[str, QuantWeight]:
+    """The GGUF blocks the converter kept (``quantized/``), by pdinfer weight name; fused
+    weights get their shards concatenated in row order, or nothing if a shard is missing or of
+    another block type. {} for folders without blocks (Hugging Face checkpoints, presets)."""
+    from safetensors import safe_open
+
+    qdir = Path(folder) / QUANTIZED_DIR
+    if not (qdir / "types.json").exists():
+        return {}
+    types = json.loads((qdir / "types.json").read_text())
+    shards: dict[str, dict[str | None, QuantWeight]] = {}
+    with safe_open(str(qdir / "blocks.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            target, shard = map_checkpoint_name(name)
+            if target is not None:
+                shards.setdefault(target, {})[shard] = QuantWeight.from_gguf(types[name], f.get_tensor(name))
+    blocks: dict[str, QuantWeight] = {}
+    for target, parts in shards.items():
+        order = SHARD_ORDER.get(target.split(".")[-2], (None,))
+        if set(parts) == set(order):
+            fused = parts[None] if order == (None,) else QuantWeight.concat([parts[s] for s in order])
+            if fused is not None:
+                blocks[target] = fused
+    return blocks
 
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:

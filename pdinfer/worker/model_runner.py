@@ -18,7 +18,7 @@ from pdinfer import env
 from pdinfer.engine_type import EngineType
 from pdinfer.layers import cpu_kernels
 from pdinfer.layers.cpu_linear import pack_linears
-from pdinfer.models.loader import build_model
+from pdinfer.models.loader import build_model, load_quantized_blocks
 from pdinfer.models.spec import ModelSpec
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
 from pdinfer.worker.input_builder import build_attention_metadata, build_sampling_tensors
@@ -43,9 +43,12 @@ class ModelRunner:
         self.model = build_model(spec, folder, load_format, dtype, device, seed)
         self.decode_kernel = None
         if device.type == "cpu" and dtype == torch.float32:
-            # Native kernels (None: plain torch), then oneDNN-packed linears (faster than F.linear)
+            # Native kernels (None: plain torch), then oneDNN-packed linears (faster than F.linear),
+            # which also read a GGUF model's quantized blocks in small decode steps.
             self.decode_kernel = cpu_kernels.load(env.get("PDINFER_CACHE_DIR"))
-            pack_linears(self.model, self.decode_kernel)
+            use_blocks = (self.decode_kernel is not None and load_format != "dummy"
+                          and env.get("PDINFER_CPU_QUANT_GEMM"))
+            pack_linears(self.model, self.decode_kernel, load_quantized_blocks(folder) if use_blocks else None)
         self.sampler = Sampler()
         self.cache: CacheEngine | None = None
         # Sampled tokens of the last few steps, on the device, by step id (zero-overhead
