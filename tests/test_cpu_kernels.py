@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from pdinfer.layers import cpu_kernels
 from pdinfer.layers.attention.torch_paged import TorchPagedAttention
-from pdinfer.layers.cpu_linear import QUANT_MAX_ROWS, PackedLinear, QuantWeight
+from pdinfer.layers.cpu_linear import QUANT_MAX_ROWS, QUANT_TILED_MAX_ROWS, PackedLinear, QuantWeight
 from pdinfer.layers.rotary import RotaryEmbedding, apply_rotary
 from pdinfer.worker.input_builder import build_attention_metadata
 from pdinfer.worker.step_input import StepInput
@@ -71,8 +71,11 @@ def _run_decode(kv, layer, q, inp, kernel):
 
 
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (16, 2), (128, 1)])
-def test_native_decode_matches_sdpa(kernels, head_dim, group):
-    kv, layer, q, inp, ref = _decode_case(head_dim, group, [1, 5, 17, 64, 3, 40, 33])
+# Many sequences: one work item per sequence; one or two: one per (sequence, KV head), and a
+# long one split across threads.
+@pytest.mark.parametrize("lengths", [[1, 5, 17, 64, 3, 40, 33], [9], [2000, 3]])
+def test_native_decode_matches_sdpa(kernels, head_dim, group, lengths):
+    kv, layer, q, inp, ref = _decode_case(head_dim, group, lengths)
     out = _run_decode(kv, layer, q, inp, kernels)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -120,7 +123,7 @@ def test_gguf_blocks_dequantize_exactly_like_gguf(gguf_type):
 
 
 @pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, QUANT_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1, 23, QUANT_TILED_MAX_ROWS])
 def test_quantized_gemm_matches_linear_on_dequantized_weights(kernels, gguf_type, rows):
     raw, weight = _gguf_blocks(gguf_type, 8 * 9 + 3, 7 * 32, seed=rows)
     gen = torch.Generator().manual_seed(rows)
@@ -131,10 +134,10 @@ def test_quantized_gemm_matches_linear_on_dequantized_weights(kernels, gguf_type
     torch.testing.assert_close(quant.linear(kernels, x, bias), ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(quant.linear(kernels, x, None), F.linear(x.double(), weight.double()).float(),
                                rtol=1e-5, atol=1e-4)
-    # The packed layer takes the quantized path up to QUANT_MAX_ROWS rows and oneDNN above.
+    # The packed layer takes the quantized paths up to QUANT_TILED_MAX_ROWS rows, oneDNN above.
     layer = PackedLinear(torch.nn.Parameter(weight), torch.nn.Parameter(bias), kernels, quant)
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-4)
-    more = torch.randn(QUANT_MAX_ROWS + 1, weight.shape[1], generator=gen)
+    more = torch.randn(QUANT_TILED_MAX_ROWS + 1, weight.shape[1], generator=gen)
     torch.testing.assert_close(layer(more), F.linear(more, weight, bias), rtol=1e-5, atol=1e-4)
 
 

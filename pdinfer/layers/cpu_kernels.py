@@ -63,51 +63,67 @@ static inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// One work item is (sequence, KV head h): its `group` query heads against that head's K/V.
+// One work item is (sequence, KV heads [h0, h0 + nh)): their nh * group query heads against
+// those heads' K/V, reading each block's rows once for all of them (contiguous when nh is every
+// head) and prefetching the next block while computing on this one.
 // s: strides of the layer view [blocks, 2, block_size, KVH, D] in floats (block, k->v, token,
 // head) and the block size. DIM > 0 fixes head_dim at compile time (full unrolling).
+static inline void prefetch_block(const float* base, int64_t n, int64_t nh, const int64_t* s, int64_t dim) {
+  for (int64_t o = 0; o < n; o++)
+    for (int64_t hh = 0; hh < nh; hh++)
+      for (int64_t c = 0; c < dim; c += 16) __builtin_prefetch(base + o * s[2] + hh * s[3] + c);
+}
+
 template <int DIM>
 static void decode_item(const float* __restrict kv, const float* __restrict q, float* __restrict out,
-                        const int64_t* __restrict table, int64_t len, int64_t h,
+                        const int64_t* __restrict table, int64_t len, int64_t h0, int64_t nh,
                         const int64_t* s, int64_t group, int64_t dim_rt, float scale,
                         float* __restrict scores, float* __restrict acc) {
-  const int64_t dim = DIM > 0 ? DIM : dim_rt, bs = s[4];
-  for (int64_t t0 = 0, j = 0; t0 < len; t0 += bs, j++) {
-    const float* __restrict base = kv + table[j] * s[0] + h * s[3];
+  const int64_t dim = DIM > 0 ? DIM : dim_rt, bs = s[4], rows = nh * group;
+  const int64_t nblocks = (len + bs - 1) / bs;
+  for (int64_t j = 0, t0 = 0; j < nblocks; j++, t0 += bs) {
+    const float* __restrict base = kv + table[j] * s[0] + h0 * s[3];
     const int64_t n = std::min(bs, len - t0);
-    for (int64_t g = 0; g < group; g++) {
-      const float* __restrict qg = q + g * dim;
-      for (int64_t o = 0; o < n; o++) {
-        const float* __restrict k = base + o * s[2];
-        float dot = 0.f;
-        for (int64_t d = 0; d < dim; d++) dot += qg[d] * k[d];
-        scores[g * len + t0 + o] = dot * scale;
+    if (j + 1 < nblocks)
+      prefetch_block(kv + table[j + 1] * s[0] + h0 * s[3], std::min(bs, len - t0 - bs), nh, s, dim);
+    else  // the V rows of the first block come next
+      prefetch_block(kv + table[0] * s[0] + s[1] + h0 * s[3], std::min(bs, len), nh, s, dim);
+    for (int64_t o = 0; o < n; o++)
+      for (int64_t hh = 0; hh < nh; hh++) {
+        const float* __restrict k = base + o * s[2] + hh * s[3];
+        for (int64_t g = 0; g < group; g++) {
+          const float* __restrict qg = q + (hh * group + g) * dim;
+          float dot = 0.f;
+          for (int64_t d = 0; d < dim; d++) dot += qg[d] * k[d];
+          scores[(hh * group + g) * len + t0 + o] = dot * scale;
+        }
       }
-    }
   }
-  for (int64_t g = 0; g < group; g++) {
-    float* __restrict sg = scores + g * len;
+  for (int64_t r = 0; r < rows; r++) {
+    float* __restrict sg = scores + r * len;
     const float m = *std::max_element(sg, sg + len);
     float sum = 0.f;
     for (int64_t t = 0; t < len; t++) { sg[t] = exp_nonpositive(sg[t] - m); sum += sg[t]; }
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < len; t++) sg[t] *= inv;
   }
-  std::fill(acc, acc + group * dim, 0.f);
-  for (int64_t t0 = 0, j = 0; t0 < len; t0 += bs, j++) {
-    const float* __restrict base = kv + table[j] * s[0] + s[1] + h * s[3];
+  std::fill(acc, acc + rows * dim, 0.f);
+  for (int64_t j = 0, t0 = 0; j < nblocks; j++, t0 += bs) {
+    const float* __restrict base = kv + table[j] * s[0] + s[1] + h0 * s[3];
     const int64_t n = std::min(bs, len - t0);
-    for (int64_t g = 0; g < group; g++) {
-      float* __restrict a = acc + g * dim;
-      const float* __restrict pg = scores + g * len + t0;
-      for (int64_t o = 0; o < n; o++) {
-        const float* __restrict v = base + o * s[2];
-        const float p = pg[o];
-        for (int64_t d = 0; d < dim; d++) a[d] += p * v[d];
+    if (j + 1 < nblocks)
+      prefetch_block(kv + table[j + 1] * s[0] + s[1] + h0 * s[3], std::min(bs, len - t0 - bs), nh, s, dim);
+    for (int64_t o = 0; o < n; o++)
+      for (int64_t hh = 0; hh < nh; hh++) {
+        const float* __restrict v = base + o * s[2] + hh * s[3];
+        for (int64_t g = 0; g < group; g++) {
+          float* __restrict a = acc + (hh * group + g) * dim;
+          const float p = scores[(hh * group + g) * len + t0 + o];
+          for (int64_t d = 0; d < dim; d++) a[d] += p * v[d];
+        }
       }
-    }
   }
-  std::memcpy(out, acc, sizeof(float) * group * dim);
+  std::memcpy(out, acc, sizeof(float) * rows * dim);
 }
 
 // q: [B, H, D] (token stride q_stride, head stride D); out: [B, H, D] contiguous;
@@ -116,33 +132,36 @@ extern "C" void pd_paged_decode(const float* kv, const float* q, float* out,
                                 const int64_t* tables, const int64_t* lens, int64_t batch,
                                 int64_t max_blocks, const int64_t* strides, int64_t kv_heads,
                                 int64_t group, int64_t dim, int64_t q_stride, float scale) {
-  const int64_t items = batch * kv_heads;
+  // A sequence is one item with all its KV heads, unless there are too few sequences to keep
+  // every thread busy; then each KV head is an item.
+  const int64_t threads = at::get_num_threads();
+  const int64_t split = batch >= 2 * threads ? 1 : kv_heads, nh = kv_heads / split;
+  const int64_t items = batch * split;
   // Split the items into contiguous runs of about equal total length, one run per thread.
   std::vector<int64_t> bounds{0};
   int64_t work = 0, done = 0, longest = 0;
-  for (int64_t b = 0; b < batch; b++) { work += lens[b] * kv_heads; longest = std::max(longest, lens[b]); }
-  const int64_t runs = work * dim < kSerialElems ? 1
-                                                 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  for (int64_t b = 0; b < batch; b++) { work += lens[b] * split; longest = std::max(longest, lens[b]); }
+  const int64_t runs = work * nh * dim < kSerialElems ? 1 : std::max<int64_t>(1, std::min(threads, items));
   for (int64_t i = 0; i < items && (int64_t)bounds.size() < runs; i++) {
-    done += lens[i / kv_heads];
+    done += lens[i / split];
     if (done * runs >= work * (int64_t)bounds.size()) bounds.push_back(i + 1);
   }
   while ((int64_t)bounds.size() <= runs) bounds.push_back(items);
   bounds.back() = items;
   at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> scores(group * longest), acc(group * dim);
+    std::vector<float> scores(nh * group * longest), acc(nh * group * dim);
     for (int64_t r = r0; r < r1; r++)
       for (int64_t i = bounds[r]; i < bounds[r + 1]; i++) {
-        const int64_t b = i / kv_heads, h = i % kv_heads;
-        const float* qi = q + b * q_stride + h * group * dim;
-        float* oi = out + (b * kv_heads + h) * group * dim;
+        const int64_t b = i / split, h0 = (i % split) * nh;
+        const float* qi = q + b * q_stride + h0 * group * dim;
+        float* oi = out + (b * kv_heads + h0) * group * dim;
         const int64_t* ti = tables + b * max_blocks;
         if (dim == 64)
-          decode_item<64>(kv, qi, oi, ti, lens[b], h, strides, group, dim, scale, scores.data(), acc.data());
+          decode_item<64>(kv, qi, oi, ti, lens[b], h0, nh, strides, group, dim, scale, scores.data(), acc.data());
         else if (dim == 128)
-          decode_item<128>(kv, qi, oi, ti, lens[b], h, strides, group, dim, scale, scores.data(), acc.data());
+          decode_item<128>(kv, qi, oi, ti, lens[b], h0, nh, strides, group, dim, scale, scores.data(), acc.data());
         else
-          decode_item<0>(kv, qi, oi, ti, lens[b], h, strides, group, dim, scale, scores.data(), acc.data());
+          decode_item<0>(kv, qi, oi, ti, lens[b], h0, nh, strides, group, dim, scale, scores.data(), acc.data());
       }
   });
 }
@@ -269,6 +288,153 @@ static void qgemm(const float* x, const uint8_t* qs, const float* d, const float
   });
 }
 
+// Rows [r0, r1) of a block-quantized weight de-quantized into buf [r1 - r0, k] (row-major).
+template <bool Q4>
+static void dequant_rows(const uint8_t* __restrict qs, const float* __restrict d,
+                         const float* __restrict mn, int64_t r0, int64_t r1, int64_t k,
+                         float* __restrict buf) {
+  const int64_t nb = k / 32, row_bytes = Q4 ? nb * 16 : k;
+  for (int64_t r = r0; r < r1; r++) {
+    const uint8_t* __restrict qr = qs + r * row_bytes;
+    float* __restrict out = buf + (r - r0) * k;
+    for (int64_t b = 0; b < nb; b++) {
+      const float db = d[r * nb + b], mb = Q4 ? mn[r * nb + b] : 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 vd = _mm256_set1_ps(db);
+      if constexpr (Q4) {
+        const __m256 vm = _mm256_set1_ps(mb);
+        const __m128i low4 = _mm_set1_epi8(0x0F);
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + b * 16));
+        const __m128i lo = _mm_and_si128(raw, low4);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int g = 0; g < 4; g++)
+          _mm256_storeu_ps(out + b * 32 + 8 * g,
+                           _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[g])), vm));
+      } else {
+        for (int g = 0; g < 4; g++) {
+          const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr + b * 32 + g * 8));
+          _mm256_storeu_ps(out + b * 32 + 8 * g, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))));
+        }
+      }
+#else
+      for (int j = 0; j < 32; j++) {
+        const int q = Q4 ? (qr[b * 16 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15
+                         : static_cast<int8_t>(qr[b * 32 + j]);
+        out[b * 32 + j] = Q4 ? db * q + mb : db * q;
+      }
+#endif
+    }
+  }
+}
+
+// Weight rows [r0, r0 + 16) of a block-quantized weight into buf [k][16] (16 outputs side by
+// side for each input position; rows past n are zeros): de-quantized row-wise into rows
+// [16][k], then transposed in 8x8 blocks.
+template <bool Q4>
+static void pack_tile(const uint8_t* qs, const float* d, const float* mn, int64_t r0, int64_t n,
+                      int64_t k, float* __restrict rows, float* __restrict buf) {
+  const int64_t r1 = std::min(n, r0 + 16);
+  dequant_rows<Q4>(qs, d, mn, r0, r1, k, rows);
+  std::fill(rows + (r1 - r0) * k, rows + 16 * k, 0.f);
+#if defined(__AVX2__) && defined(__FMA__)
+  for (int64_t half = 0; half < 2; half++)
+    for (int64_t c = 0; c < k; c += 8) {
+      __m256 v[8];
+      for (int q = 0; q < 8; q++) v[q] = _mm256_loadu_ps(rows + (half * 8 + q) * k + c);
+      const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      float* o = buf + c * 16 + half * 8;
+      _mm256_storeu_ps(o + 0 * 16, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + 1 * 16, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * 16, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * 16, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * 16, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * 16, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * 16, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * 16, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+#else
+  for (int64_t q = 0; q < 16; q++)
+    for (int64_t c = 0; c < k; c++) buf[c * 16 + q] = rows[q * k + c];
+#endif
+}
+
+// out[i][0:16] = x[i] . buf for MR input rows (row stride k): 16 outputs in two vectors per
+// row, one broadcast of x[i][c] each, 2 * MR accumulators (the 6x16 register tile of BLIS).
+template <int MR>
+static inline void tile_kernel(const float* __restrict x, int64_t k, const float* __restrict buf,
+                               float* __restrict out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < k; c++) {
+    const __m256 w0 = _mm256_loadu_ps(buf + c * 16), w1 = _mm256_loadu_ps(buf + c * 16 + 8);
+    for (int i = 0; i < MR; i++) {
+      const __m256 xb = _mm256_broadcast_ss(x + i * k + c);
+      acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; i++) {
+    _mm256_storeu_ps(out + i * 16, acc[i][0]);
+    _mm256_storeu_ps(out + i * 16 + 8, acc[i][1]);
+  }
+#else
+  for (int i = 0; i < MR; i++)
+    for (int q = 0; q < 16; q++) {
+      float a = 0.f;
+      for (int64_t c = 0; c < k; c++) a += x[i * k + c] * buf[c * 16 + q];
+      out[i * 16 + q] = a;
+    }
+#endif
+}
+
+// Many input rows (a decode step of a large batch): each thread de-quantizes a tile of 16
+// weight rows once (about 1/m of the arithmetic) and multiplies every input row with it.
+template <bool Q4>
+static void qgemm_tiled(const float* x, const uint8_t* qs, const float* d, const float* mn,
+                        const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
+  at::parallel_for(0, (n + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> rows(16 * k), buf(16 * k);
+    float out[6 * 16];
+    for (int64_t t = t0; t < t1; t++) {
+      const int64_t r0 = t * 16, nr = std::min<int64_t>(16, n - r0);
+      pack_tile<Q4>(qs, d, mn, r0, n, k, rows.data(), buf.data());
+      for (int64_t i = 0; i < m; i += 6) {
+        const int64_t mr = std::min<int64_t>(6, m - i);
+        const float* xi = x + i * k;
+        switch (mr) {
+          case 1: tile_kernel<1>(xi, k, buf.data(), out); break;
+          case 2: tile_kernel<2>(xi, k, buf.data(), out); break;
+          case 3: tile_kernel<3>(xi, k, buf.data(), out); break;
+          case 4: tile_kernel<4>(xi, k, buf.data(), out); break;
+          case 5: tile_kernel<5>(xi, k, buf.data(), out); break;
+          default: tile_kernel<6>(xi, k, buf.data(), out); break;
+        }
+        for (int64_t a = 0; a < mr; a++)
+          for (int64_t q = 0; q < nr; q++) y[(i + a) * n + r0 + q] = out[a * 16 + q] + (bias ? bias[r0 + q] : 0.f);
+      }
+    }
+  });
+}
+
+extern "C" void pd_q4_gemm_tiled(const float* x, const uint8_t* qs, const float* d, const float* mn,
+                                 const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
+  qgemm_tiled<true>(x, qs, d, mn, bias, y, m, n, k);
+}
+
+extern "C" void pd_q8_gemm_tiled(const float* x, const uint8_t* qs, const float* d, const float* bias,
+                                 float* y, int64_t m, int64_t n, int64_t k) {
+  qgemm_tiled<false>(x, qs, d, nullptr, bias, y, m, n, k);
+}
+
 extern "C" void pd_q4_gemm(const float* x, const uint8_t* qs, const float* d, const float* mn,
                            const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
   qgemm<true>(x, qs, d, mn, bias, y, m, n, k);
@@ -375,6 +541,8 @@ def _build_and_load(cache_dir: str | None) -> ctypes.CDLL | None:
             ("pd_small_gemm", [ptr, ptr, ptr, ptr, i64, i64, i64]),
             ("pd_q4_gemm", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
             ("pd_q8_gemm", [ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
+            ("pd_q4_gemm_tiled", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
+            ("pd_q8_gemm_tiled", [ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
             ("pd_rms_norm", [ptr, i64, ptr, ptr, i64, i64, f32]),
             ("pd_rotary_qk", [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]),
             ("pd_silu_and_mul", [ptr, i64, ptr, i64, i64]),

@@ -8,7 +8,8 @@ faster still. Only float32 on CPU is packed; anything else keeps ``nn.Linear``.
 
 Weights that came from a GGUF file as Q4_0/Q4_1/Q8_0 blocks also keep those blocks
 (``QuantWeight``): up to ``QUANT_MAX_ROWS`` rows, ``pd_q4_gemm``/``pd_q8_gemm`` read them
-instead of the floats. The de-quantized values are bit-identical to the float weights (checked
+instead of the floats, and up to ``QUANT_TILED_MAX_ROWS`` rows ``pd_q{4,8}_gemm_tiled``
+de-quantize 16 weight rows at a time into a cache-resident tile for a 6x16 register kernel. The de-quantized values are bit-identical to the float weights (checked
 when the blocks are attached), so the result differs from the float path only in the order of
 the sums; a batch-1 step reads ~115 MB instead of 538 MB for SmolLM2-135M.
 """
@@ -29,9 +30,11 @@ logger = logging.getLogger("pdinfer")
 PACK_BATCH_HINT = 64
 # Up to this many rows, the native small GEMM (when built) beats oneDNN.
 SMALL_GEMM_MAX_ROWS = 4
-# Up to this many rows, the block-quantized GEMM beats oneDNN on the floats (measured on
-# SmolLM2-135M's matrices, weights out of cache: 21 vs 73 ms at 4 rows, 71 vs 105 ms at 16).
-QUANT_MAX_ROWS = 16
+# Block-quantized weights, all of SmolLM2-135M's matrices once (out of cache), 2 cores: the
+# row-streaming GEMM up to 8 rows (21 ms at 4 rows, 36 at 8; oneDNN on the floats 73, 83),
+# then the tiled one up to 128 (at 16/64/128 rows 72/193/336 ms; oneDNN 94/219/355).
+QUANT_MAX_ROWS = 8
+QUANT_TILED_MAX_ROWS = 128
 # Bytes per 32-weight block: a float16 scale (Q4_1: and a float16 minimum) and the quants.
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
@@ -94,15 +97,20 @@ class QuantWeight:
                     and torch.equal(self.dequantize(tail), weight[tail]))
 
     def linear(self, lib, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, dequantize(), bias)``: row-streaming up to ``QUANT_MAX_ROWS`` rows of
+        ``x``, tiled above (callers send at most ``QUANT_TILED_MAX_ROWS``)."""
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
         bias_ptr = None if bias is None else bias.data_ptr()
+        tiled = x.shape[0] > QUANT_MAX_ROWS
         if self.kind == "q4":
-            lib.pd_q4_gemm(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), self.mn.data_ptr(),
-                           bias_ptr, out.data_ptr(), x.shape[0], self.n, self.k)
+            fn = lib.pd_q4_gemm_tiled if tiled else lib.pd_q4_gemm
+            fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), self.mn.data_ptr(), bias_ptr,
+               out.data_ptr(), x.shape[0], self.n, self.k)
         else:
-            lib.pd_q8_gemm(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), bias_ptr,
-                           out.data_ptr(), x.shape[0], self.n, self.k)
+            fn = lib.pd_q8_gemm_tiled if tiled else lib.pd_q8_gemm
+            fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), bias_ptr, out.data_ptr(),
+               x.shape[0], self.n, self.k)
         return out
 
 
@@ -132,7 +140,7 @@ class PackedLinear(nn.Module):
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None and x.shape[0] <= QUANT_MAX_ROWS:
+        if self.quant is not None and x.shape[0] <= QUANT_TILED_MAX_ROWS:
             return self.quant.linear(self.kernels, x, self.bias)
         if self.kernels is not None and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
             return cpu_kernels.small_linear(self.kernels, x, self.weight, self.bias)
