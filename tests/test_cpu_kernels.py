@@ -16,7 +16,12 @@ import torch.nn.functional as F
 
 from pdinfer.layers import cpu_kernels
 from pdinfer.layers.attention.torch_paged import TorchPagedAttention
-from pdinfer.layers.cpu_linear import QUANT_MAX_ROWS, QUANT_TILED_MAX_ROWS, PackedLinear, QuantWeight
+from pdinfer.layers.cpu_linear import (
+    QUANT_MAX_ROWS,
+    QUANT_TILED_MAX_ROWS,
+    PackedLinear,
+    QuantWeight,
+)
 from pdinfer.layers.rotary import RotaryEmbedding, apply_rotary
 from pdinfer.worker.input_builder import build_attention_metadata
 from pdinfer.worker.step_input import StepInput

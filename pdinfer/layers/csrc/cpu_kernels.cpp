@@ -1,0 +1,218 @@
+// Native CPU kernels: paged decode attention, the small float GEMM, fused elementwise ops
+// (pdinfer/layers/cpu_kernels.py builds and loads this file together with quant_gemm.cpp).
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+// Work below this many elements runs on the calling thread: waking the pool costs more than
+// it saves (a decode step of a few sequences), and far more when the cores are shared.
+constexpr int64_t kSerialElems = 1 << 17;
+
+// exp(x) for x <= 0 as 2^n * e^r, |r| <= ln2/2, degree-7 Taylor (rel. error < 1e-7); plain
+// arithmetic so the loop that calls it vectorizes.
+static inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720; p = p * r + 1.0f / 120; p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6; p = p * r + 0.5f; p = p * r + 1.0f; p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// One work item is (sequence, KV heads [h0, h0 + nh)): their nh * group query heads against
+// those heads' K/V, reading each block's rows once for all of them (contiguous when nh is every
+// head) and prefetching the next block while computing on this one.
+// s: strides of the layer view [blocks, 2, block_size, KVH, D] in floats (block, k->v, token,
+// head) and the block size. DIM > 0 fixes head_dim at compile time (full unrolling).
+static inline void prefetch_block(const float* base, int64_t n, int64_t nh, const int64_t* s, int64_t dim) {
+  for (int64_t o = 0; o < n; o++)
+    for (int64_t hh = 0; hh < nh; hh++)
+      for (int64_t c = 0; c < dim; c += 16) __builtin_prefetch(base + o * s[2] + hh * s[3] + c);
+}
+
+template <int DIM>
+static void decode_item(const float* __restrict kv, const float* __restrict q, float* __restrict out,
+                        const int64_t* __restrict table, int64_t len, int64_t h0, int64_t nh,
+                        const int64_t* s, int64_t group, int64_t dim_rt, float scale,
+                        float* __restrict scores, float* __restrict acc) {
+  const int64_t dim = DIM > 0 ? DIM : dim_rt, bs = s[4], rows = nh * group;
+  const int64_t nblocks = (len + bs - 1) / bs;
+  for (int64_t j = 0, t0 = 0; j < nblocks; j++, t0 += bs) {
+    const float* __restrict base = kv + table[j] * s[0] + h0 * s[3];
+    const int64_t n = std::min(bs, len - t0);
+    if (j + 1 < nblocks)
+      prefetch_block(kv + table[j + 1] * s[0] + h0 * s[3], std::min(bs, len - t0 - bs), nh, s, dim);
+    else  // the V rows of the first block come next
+      prefetch_block(kv + table[0] * s[0] + s[1] + h0 * s[3], std::min(bs, len), nh, s, dim);
+    for (int64_t o = 0; o < n; o++)
+      for (int64_t hh = 0; hh < nh; hh++) {
+        const float* __restrict k = base + o * s[2] + hh * s[3];
+        for (int64_t g = 0; g < group; g++) {
+          const float* __restrict qg = q + (hh * group + g) * dim;
+          float dot = 0.f;
+          for (int64_t d = 0; d < dim; d++) dot += qg[d] * k[d];
+          scores[(hh * group + g) * len + t0 + o] = dot * scale;
+        }
+      }
+  }
+  for (int64_t r = 0; r < rows; r++) {
+    float* __restrict sg = scores + r * len;
+    const float m = *std::max_element(sg, sg + len);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; t++) { sg[t] = exp_nonpositive(sg[t] - m); sum += sg[t]; }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+  }
+  std::fill(acc, acc + rows * dim, 0.f);
+  for (int64_t j = 0, t0 = 0; j < nblocks; j++, t0 += bs) {
+    const float* __restrict base = kv + table[j] * s[0] + s[1] + h0 * s[3];
+    const int64_t n = std::min(bs, len - t0);
+    if (j + 1 < nblocks)
+      prefetch_block(kv + table[j + 1] * s[0] + s[1] + h0 * s[3], std::min(bs, len - t0 - bs), nh, s, dim);
+    for (int64_t o = 0; o < n; o++)
+      for (int64_t hh = 0; hh < nh; hh++) {
+        const float* __restrict v = base + o * s[2] + hh * s[3];
+        for (int64_t g = 0; g < group; g++) {
+          float* __restrict a = acc + (hh * group + g) * dim;
+          const float p = scores[(hh * group + g) * len + t0 + o];
+          for (int64_t d = 0; d < dim; d++) a[d] += p * v[d];
+        }
+      }
+  }
+  std::memcpy(out, acc, sizeof(float) * rows * dim);
+}
+
+// q: [B, H, D] (token stride q_stride, head stride D); out: [B, H, D] contiguous;
+// tables: [B, max_blocks]; strides: block, k->v, token-in-block, head, block_size.
+extern "C" void pd_paged_decode(const float* kv, const float* q, float* out,
+                                const int64_t* tables, const int64_t* lens, int64_t batch,
+                                int64_t max_blocks, const int64_t* strides, int64_t kv_heads,
+                                int64_t group, int64_t dim, int64_t q_stride, float scale) {
+  // A sequence is one item with all its KV heads, unless there are too few sequences to keep
+  // every thread busy; then each KV head is an item.
+  const int64_t threads = at::get_num_threads();
+  const int64_t split = batch >= 2 * threads ? 1 : kv_heads, nh = kv_heads / split;
+  const int64_t items = batch * split;
+  // Split the items into contiguous runs of about equal total length, one run per thread.
+  std::vector<int64_t> bounds{0};
+  int64_t work = 0, done = 0, longest = 0;
+  for (int64_t b = 0; b < batch; b++) { work += lens[b] * split; longest = std::max(longest, lens[b]); }
+  const int64_t runs = work * nh * dim < kSerialElems ? 1 : std::max<int64_t>(1, std::min(threads, items));
+  for (int64_t i = 0; i < items && (int64_t)bounds.size() < runs; i++) {
+    done += lens[i / split];
+    if (done * runs >= work * (int64_t)bounds.size()) bounds.push_back(i + 1);
+  }
+  while ((int64_t)bounds.size() <= runs) bounds.push_back(items);
+  bounds.back() = items;
+  at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scores(nh * group * longest), acc(nh * group * dim);
+    for (int64_t r = r0; r < r1; r++)
+      for (int64_t i = bounds[r]; i < bounds[r + 1]; i++) {
+        const int64_t b = i / split, h0 = (i % split) * nh;
+        const float* qi = q + b * q_stride + h0 * group * dim;
+        float* oi = out + (b * kv_heads + h0) * group * dim;
+        const int64_t* ti = tables + b * max_blocks;
+        if (dim == 64)
+          decode_item<64>(kv, qi, oi, ti, lens[b], h0, nh, strides, group, dim, scale, scores.data(), acc.data());
+        else if (dim == 128)
+          decode_item<128>(kv, qi, oi, ti, lens[b], h0, nh, strides, group, dim, scale, scores.data(), acc.data());
+        else
+          decode_item<0>(kv, qi, oi, ti, lens[b], h0, nh, strides, group, dim, scale, scores.data(), acc.data());
+      }
+  });
+}
+
+// y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for a few rows m: eight weight rows at a time, so
+// each weight byte is read once while the m input rows stay in L1.
+extern "C" void pd_small_gemm(const float* __restrict x, const float* __restrict w,
+                              const float* __restrict bias, float* __restrict y, int64_t m,
+                              int64_t n, int64_t k) {
+  at::parallel_for(0, (n + 7) / 8, 8, [&](int64_t g0, int64_t g1) {
+    for (int64_t r = g0 * 8; r < std::min(n, g1 * 8); r += 8) {
+      const float* __restrict w0 = w + r * k;
+      for (int64_t i = 0; i < m; i++) {
+        const float* __restrict xi = x + i * k;
+        float* __restrict yi = y + i * n + r;
+        if (r + 8 <= n) {
+          float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+          for (int64_t j = 0; j < k; j++) {
+            const float xv = xi[j];
+            a[0] += xv * w0[j]; a[1] += xv * w0[k + j]; a[2] += xv * w0[2 * k + j];
+            a[3] += xv * w0[3 * k + j]; a[4] += xv * w0[4 * k + j]; a[5] += xv * w0[5 * k + j];
+            a[6] += xv * w0[6 * k + j]; a[7] += xv * w0[7 * k + j];
+          }
+          for (int q = 0; q < 8; q++) yi[q] = a[q] + (bias ? bias[r + q] : 0.f);
+        } else {
+          for (int64_t q = 0; q < n - r; q++) {
+            float a = 0.f;
+            for (int64_t j = 0; j < k; j++) a += xi[j] * w0[q * k + j];
+            yi[q] = a + (bias ? bias[r + q] : 0.f);
+          }
+        }
+      }
+    }
+  });
+}
+
+// out[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), the Llama RMSNorm, one row per iteration.
+extern "C" void pd_rms_norm(const float* __restrict x, int64_t x_stride, const float* __restrict w,
+                            float* __restrict out, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialElems / dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const float* __restrict xr = x + r * x_stride;
+      float* __restrict o = out + r * dim;
+      float sq = 0.f;
+      for (int64_t d = 0; d < dim; d++) sq += xr[d] * xr[d];
+      const float inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(sq / dim) + eps));
+      for (int64_t d = 0; d < dim; d++) o[d] = w[d] * (xr[d] * inv);
+    }
+  });
+}
+
+// Rotate-half rotary embedding of q [T, HQ, D] and k [T, HK, D] in place (strided rows, unit
+// head_dim stride); cos/sin [T, R] (R <= D rotary dims, first R/2 and next R/2 paired).
+extern "C" void pd_rotary_qk(float* q, int64_t q_row, int64_t q_head, int64_t hq, float* k,
+                             int64_t k_row, int64_t k_head, int64_t hk, const float* cos,
+                             const float* sin, int64_t cs_row, int64_t tokens, int64_t rot) {
+  const int64_t half = rot / 2;
+  at::parallel_for(0, tokens, std::max<int64_t>(1, kSerialElems / ((hq + hk) * rot)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      const float* __restrict c = cos + t * cs_row;
+      const float* __restrict sn = sin + t * cs_row;
+      for (int64_t h = 0; h < hq + hk; h++) {
+        float* __restrict x = h < hq ? q + t * q_row + h * q_head : k + t * k_row + (h - hq) * k_head;
+        for (int64_t i = 0; i < half; i++) {
+          const float a = x[i], b = x[i + half];
+          x[i] = a * c[i] - b * sn[i];
+          x[i + half] = b * c[i + half] + a * sn[i + half];
+        }
+      }
+    }
+  });
+}
+
+// out[r] = silu(x[r, :n]) * x[r, n:2n]
+extern "C" void pd_silu_and_mul(const float* __restrict x, int64_t x_stride, float* __restrict out,
+                                int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialElems / n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const float* __restrict g = x + r * x_stride;
+      const float* __restrict u = g + n;
+      float* __restrict o = out + r * n;
+      for (int64_t i = 0; i < n; i++) {
+        const float e = exp_nonpositive(-std::fabs(g[i]));  // exp(-|g|): never overflows
+        o[i] = g[i] * ((g[i] >= 0.f ? 1.f : e) / (1.f + e)) * u[i];
+      }
+    }
+  });
+}

@@ -1,0 +1,256 @@
+// Block-quantized GEMMs for CPU decode steps (pdinfer/layers/cpu_kernels.py builds and loads
+// this file together with cpu_kernels.cpp).
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+// Block-quantized weights (GGUF's Q4_0/Q4_1/Q8_0, see cpu_linear.py), 32 weights a block:
+//   q4: w = d * q + mn, q in [0, 16): element j < 16 in the low nibble of qs[j], j + 16 in its
+//       high nibble; qs [n, k/32, 16] bytes, d and mn [n, k/32] floats.
+//   q8: w = d * q, q in [-128, 128); qs [n, k] bytes, d [n, k/32].
+// d * q is exact in float32 (an fp16 scale times a 4- or 8-bit integer), so the weights are
+// bit-identical to the float32 de-quantization; only the order of the sums differs from a
+// float32 GEMV. A decode step of a few rows is bound by reading the weights: 5 or 8.5 bits a
+// weight here instead of 32.
+template <int M, bool Q4>
+static void qgemm_rows(const float* __restrict x, const uint8_t* __restrict qs,
+                       const float* __restrict d, const float* __restrict mn,
+                       const float* __restrict bias, float* __restrict y, int64_t r0, int64_t r1,
+                       int64_t n, int64_t k) {
+  const int64_t nb = k / 32, row_bytes = Q4 ? nb * 16 : k;
+  for (int64_t r = r0; r < r1; r++) {
+    const uint8_t* __restrict qr = qs + r * row_bytes;
+    const float* __restrict dr = d + r * nb;
+    float sums[M];
+#if defined(__AVX2__) && defined(__FMA__)
+    constexpr int C = M <= 2 ? 4 : 2;  // independent FMA chains per input row
+    __m256 acc[M][C];
+    for (int i = 0; i < M; i++)
+      for (int c = 0; c < C; c++) acc[i][c] = _mm256_setzero_ps();
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+      const __m256 vd = _mm256_set1_ps(dr[b]);
+      __m256 w[4];
+      if constexpr (Q4) {
+        const __m256 vm = _mm256_set1_ps(mn[r * nb + b]);
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + b * 16));
+        const __m128i lo = _mm_and_si128(raw, low4);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+        w[0] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vm);
+        w[1] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vm);
+        w[2] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vm);
+        w[3] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vm);
+      } else {
+        for (int g = 0; g < 4; g++) {
+          const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr + b * 32 + g * 8));
+          w[g] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)));
+        }
+      }
+      for (int i = 0; i < M; i++) {
+        const float* __restrict xb = x + i * k + b * 32;
+        for (int g = 0; g < 4; g++)
+          acc[i][g % C] = _mm256_fmadd_ps(w[g], _mm256_loadu_ps(xb + 8 * g), acc[i][g % C]);
+      }
+    }
+    for (int i = 0; i < M; i++) {
+      __m256 s8 = acc[i][0];
+      for (int c = 1; c < C; c++) s8 = _mm256_add_ps(s8, acc[i][c]);
+      __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+      s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+      sums[i] = _mm_cvtss_f32(s4);
+    }
+#else
+    for (int i = 0; i < M; i++) sums[i] = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+      float w[32];
+      for (int j = 0; j < 32; j++) {
+        const int q = Q4 ? (qr[b * 16 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15
+                         : static_cast<int8_t>(qr[b * 32 + j]);
+        w[j] = Q4 ? dr[b] * q + mn[r * nb + b] : dr[b] * q;
+      }
+      for (int i = 0; i < M; i++)
+        for (int j = 0; j < 32; j++) sums[i] += w[j] * x[i * k + b * 32 + j];
+    }
+#endif
+    for (int i = 0; i < M; i++) y[i * n + r] = sums[i] + (bias ? bias[r] : 0.f);
+  }
+}
+
+template <bool Q4>
+static void qgemm(const float* x, const uint8_t* qs, const float* d, const float* mn,
+                  const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t i0 = 0; i0 < m; i0 += 4) {  // up to four input rows share one weight pass
+      const float* xi = x + i0 * k;
+      float* yi = y + i0 * n;
+      switch (std::min<int64_t>(4, m - i0)) {
+        case 1: qgemm_rows<1, Q4>(xi, qs, d, mn, bias, yi, r0, r1, n, k); break;
+        case 2: qgemm_rows<2, Q4>(xi, qs, d, mn, bias, yi, r0, r1, n, k); break;
+        case 3: qgemm_rows<3, Q4>(xi, qs, d, mn, bias, yi, r0, r1, n, k); break;
+        default: qgemm_rows<4, Q4>(xi, qs, d, mn, bias, yi, r0, r1, n, k); break;
+      }
+    }
+  });
+}
+
+// Rows [r0, r1) of a block-quantized weight de-quantized into buf [r1 - r0, k] (row-major).
+template <bool Q4>
+static void dequant_rows(const uint8_t* __restrict qs, const float* __restrict d,
+                         const float* __restrict mn, int64_t r0, int64_t r1, int64_t k,
+                         float* __restrict buf) {
+  const int64_t nb = k / 32, row_bytes = Q4 ? nb * 16 : k;
+  for (int64_t r = r0; r < r1; r++) {
+    const uint8_t* __restrict qr = qs + r * row_bytes;
+    float* __restrict out = buf + (r - r0) * k;
+    for (int64_t b = 0; b < nb; b++) {
+      const float db = d[r * nb + b], mb = Q4 ? mn[r * nb + b] : 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 vd = _mm256_set1_ps(db);
+      if constexpr (Q4) {
+        const __m256 vm = _mm256_set1_ps(mb);
+        const __m128i low4 = _mm_set1_epi8(0x0F);
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + b * 16));
+        const __m128i lo = _mm_and_si128(raw, low4);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int g = 0; g < 4; g++)
+          _mm256_storeu_ps(out + b * 32 + 8 * g,
+                           _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[g])), vm));
+      } else {
+        for (int g = 0; g < 4; g++) {
+          const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr + b * 32 + g * 8));
+          _mm256_storeu_ps(out + b * 32 + 8 * g, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))));
+        }
+      }
+#else
+      for (int j = 0; j < 32; j++) {
+        const int q = Q4 ? (qr[b * 16 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15
+                         : static_cast<int8_t>(qr[b * 32 + j]);
+        out[b * 32 + j] = Q4 ? db * q + mb : db * q;
+      }
+#endif
+    }
+  }
+}
+
+// Weight rows [r0, r0 + 16) of a block-quantized weight into buf [k][16] (16 outputs side by
+// side for each input position; rows past n are zeros): de-quantized row-wise into rows
+// [16][k], then transposed in 8x8 blocks.
+template <bool Q4>
+static void pack_tile(const uint8_t* qs, const float* d, const float* mn, int64_t r0, int64_t n,
+                      int64_t k, float* __restrict rows, float* __restrict buf) {
+  const int64_t r1 = std::min(n, r0 + 16);
+  dequant_rows<Q4>(qs, d, mn, r0, r1, k, rows);
+  std::fill(rows + (r1 - r0) * k, rows + 16 * k, 0.f);
+#if defined(__AVX2__) && defined(__FMA__)
+  for (int64_t half = 0; half < 2; half++)
+    for (int64_t c = 0; c < k; c += 8) {
+      __m256 v[8];
+      for (int q = 0; q < 8; q++) v[q] = _mm256_loadu_ps(rows + (half * 8 + q) * k + c);
+      const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      float* o = buf + c * 16 + half * 8;
+      _mm256_storeu_ps(o + 0 * 16, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + 1 * 16, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * 16, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * 16, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * 16, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * 16, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * 16, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * 16, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+#else
+  for (int64_t q = 0; q < 16; q++)
+    for (int64_t c = 0; c < k; c++) buf[c * 16 + q] = rows[q * k + c];
+#endif
+}
+
+// out[i][0:16] = x[i] . buf for MR input rows (row stride k): 16 outputs in two vectors per
+// row, one broadcast of x[i][c] each, 2 * MR accumulators (the 6x16 register tile of BLIS).
+template <int MR>
+static inline void tile_kernel(const float* __restrict x, int64_t k, const float* __restrict buf,
+                               float* __restrict out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < k; c++) {
+    const __m256 w0 = _mm256_loadu_ps(buf + c * 16), w1 = _mm256_loadu_ps(buf + c * 16 + 8);
+    for (int i = 0; i < MR; i++) {
+      const __m256 xb = _mm256_broadcast_ss(x + i * k + c);
+      acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; i++) {
+    _mm256_storeu_ps(out + i * 16, acc[i][0]);
+    _mm256_storeu_ps(out + i * 16 + 8, acc[i][1]);
+  }
+#else
+  for (int i = 0; i < MR; i++)
+    for (int q = 0; q < 16; q++) {
+      float a = 0.f;
+      for (int64_t c = 0; c < k; c++) a += x[i * k + c] * buf[c * 16 + q];
+      out[i * 16 + q] = a;
+    }
+#endif
+}
+
+// Many input rows (a decode step of a large batch): each thread de-quantizes a tile of 16
+// weight rows once (about 1/m of the arithmetic) and multiplies every input row with it.
+template <bool Q4>
+static void qgemm_tiled(const float* x, const uint8_t* qs, const float* d, const float* mn,
+                        const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
+  at::parallel_for(0, (n + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> rows(16 * k), buf(16 * k);
+    float out[6 * 16];
+    for (int64_t t = t0; t < t1; t++) {
+      const int64_t r0 = t * 16, nr = std::min<int64_t>(16, n - r0);
+      pack_tile<Q4>(qs, d, mn, r0, n, k, rows.data(), buf.data());
+      for (int64_t i = 0; i < m; i += 6) {
+        const int64_t mr = std::min<int64_t>(6, m - i);
+        const float* xi = x + i * k;
+        switch (mr) {
+          case 1: tile_kernel<1>(xi, k, buf.data(), out); break;
+          case 2: tile_kernel<2>(xi, k, buf.data(), out); break;
+          case 3: tile_kernel<3>(xi, k, buf.data(), out); break;
+          case 4: tile_kernel<4>(xi, k, buf.data(), out); break;
+          case 5: tile_kernel<5>(xi, k, buf.data(), out); break;
+          default: tile_kernel<6>(xi, k, buf.data(), out); break;
+        }
+        for (int64_t a = 0; a < mr; a++)
+          for (int64_t q = 0; q < nr; q++) y[(i + a) * n + r0 + q] = out[a * 16 + q] + (bias ? bias[r0 + q] : 0.f);
+      }
+    }
+  });
+}
+
+extern "C" void pd_q4_gemm_tiled(const float* x, const uint8_t* qs, const float* d, const float* mn,
+                                 const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
+  qgemm_tiled<true>(x, qs, d, mn, bias, y, m, n, k);
+}
+
+extern "C" void pd_q8_gemm_tiled(const float* x, const uint8_t* qs, const float* d, const float* bias,
+                                 float* y, int64_t m, int64_t n, int64_t k) {
+  qgemm_tiled<false>(x, qs, d, nullptr, bias, y, m, n, k);
+}
+
+extern "C" void pd_q4_gemm(const float* x, const uint8_t* qs, const float* d, const float* mn,
+                           const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
+  qgemm<true>(x, qs, d, mn, bias, y, m, n, k);
+}
+
+extern "C" void pd_q8_gemm(const float* x, const uint8_t* qs, const float* d, const float* bias,
+                           float* y, int64_t m, int64_t n, int64_t k) {
+  qgemm<false>(x, qs, d, nullptr, bias, y, m, n, k);
+}
