@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -135,6 +136,7 @@ def run_pdinfer(prompts: list[list[int]], max_new_tokens: int, threads: int | No
         "prompt_tokens": sum(len(p) for p in prompts), "output_tokens": out_tokens,
         "load_s": load_s, "total_s": total_s, "output_tok_s": out_tokens / total_s,
         "bs1_decode_tok_s": (max_new_tokens - 1) / (t_all - t_first),
+        "zero_overhead_scheduling": llm.engine.zero_overhead,
         "prefill_tok_s": len(prefill_prompt) / t_prefill,
     }
 
@@ -218,7 +220,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch")
     parser.add_argument("--threads", type=int, default=None, help="pdinfer threads (default: all)")
     parser.add_argument("--wait-idle", type=float, default=0, help="minutes to wait for idle CPU")
+    parser.add_argument("--zos", choices=["default", "on", "off"], default="default",
+                        help="pdinfer's zero-overhead scheduling (default: the role's, on for NORMAL)")
     args = parser.parse_args(argv)
+    if args.zos != "default":
+        os.environ["PDINFER_ZERO_OVERHEAD_SCHEDULING"] = "1" if args.zos == "on" else "0"
 
     gguf_path = workload.default_gguf_path()
     prompts = workload.make_prompts(workload.load_tokenizer(gguf_path), n=args.num_prompts)
