@@ -6,10 +6,10 @@
 - ``pd_small_gemm``: a decode step of a few sequences is a matrix-vector product per weight,
   bound by how fast the weights stream from memory; eight weight rows at a time, with the few
   input rows in L1, it streams them ~1.5x faster than oneDNN/MKL here.
-- ``pd_q4_gemm``/``pd_q8_gemm``: the same for a GGUF model's Q4_0/Q4_1/Q8_0 blocks, de-quantized
-  in registers (bit-identical weights, a fifth to a quarter of the bytes): batch-1 decode of
-  the default model at ~2x the float path. ``pd_q{4,8}_gemm_tiled``: 9-128 rows (large decode
-  batches), 16 weight rows de-quantized into an L1/L2 tile, then a 6x16 FMA register kernel.
+- ``pd_quant_gemm``: the same for a GGUF model's Q4_0/Q4_1/Q8_0 blocks, de-quantized in
+  registers (bit-identical weights, a fifth to a quarter of the bytes): batch-1 decode of the
+  default model at ~2x the float path; for 9-128 rows (large decode batches) it de-quantizes
+  16 weight rows at a time into an L1/L2 tile for a 6x16 FMA register kernel.
 - ``pd_rms_norm``, ``pd_rotary_qk``, ``pd_silu_and_mul``: one pass each instead of 3-8 small
   torch ops (``FusedOps``, the CPU twin of ``triton_ops``); they matter at small batches, where
   per-op overhead rivals the arithmetic.
@@ -82,10 +82,7 @@ def _build_and_load(cache_dir: str | None) -> ctypes.CDLL | None:
         for name, argtypes in [
             ("pd_paged_decode", [ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, f32]),
             ("pd_small_gemm", [ptr, ptr, ptr, ptr, i64, i64, i64]),
-            ("pd_q4_gemm", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
-            ("pd_q8_gemm", [ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
-            ("pd_q4_gemm_tiled", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
-            ("pd_q8_gemm_tiled", [ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
+            ("pd_quant_gemm", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]),
             ("pd_rms_norm", [ptr, i64, ptr, ptr, i64, i64, f32]),
             ("pd_rotary_qk", [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]),
             ("pd_silu_and_mul", [ptr, i64, ptr, i64, i64]),

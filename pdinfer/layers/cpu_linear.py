@@ -7,9 +7,10 @@ and 1.2x at 1024 rows; the tied 49k-row vocabulary projection gains the most. Fo
 faster still. Only float32 on CPU is packed; anything else keeps ``nn.Linear``.
 
 Weights that came from a GGUF file as Q4_0/Q4_1/Q8_0 blocks also keep those blocks
-(``QuantWeight``): up to ``QUANT_MAX_ROWS`` rows, ``pd_q4_gemm``/``pd_q8_gemm`` read them
-instead of the floats, and up to ``QUANT_TILED_MAX_ROWS`` rows ``pd_q{4,8}_gemm_tiled``
-de-quantize 16 weight rows at a time into a cache-resident tile for a 6x16 register kernel. The de-quantized values are bit-identical to the float weights (checked
+(``QuantWeight``): up to ``QUANT_TILED_MAX_ROWS`` rows ``pd_quant_gemm`` reads them instead of
+the floats, streaming the blocks past the input rows up to ``QUANT_MAX_ROWS`` rows and above
+that de-quantizing 16 weight rows at a time into a cache-resident tile for a 6x16 register
+kernel. The de-quantized values are bit-identical to the float weights (checked
 when the blocks are attached), so the result differs from the float path only in the order of
 the sums; a batch-1 step reads ~115 MB instead of 538 MB for SmolLM2-135M.
 """
@@ -41,7 +42,7 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 @dataclass
 class QuantWeight:
-    """A [n, k] weight as 32-weight blocks, in the layout of ``pd_q4_gemm``/``pd_q8_gemm``.
+    """A [n, k] weight as 32-weight blocks, in the layout of ``pd_quant_gemm``.
 
     ``kind`` "q4": w = d * q + mn with 4-bit q (GGUF nibble order); "q8": w = d * q, int8 q.
     """
@@ -102,15 +103,9 @@ class QuantWeight:
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
         bias_ptr = None if bias is None else bias.data_ptr()
-        tiled = x.shape[0] > QUANT_MAX_ROWS
-        if self.kind == "q4":
-            fn = lib.pd_q4_gemm_tiled if tiled else lib.pd_q4_gemm
-            fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), self.mn.data_ptr(), bias_ptr,
-               out.data_ptr(), x.shape[0], self.n, self.k)
-        else:
-            fn = lib.pd_q8_gemm_tiled if tiled else lib.pd_q8_gemm
-            fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), bias_ptr, out.data_ptr(),
-               x.shape[0], self.n, self.k)
+        lib.pd_quant_gemm(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(),
+                          None if self.mn is None else self.mn.data_ptr(), bias_ptr, out.data_ptr(),
+                          x.shape[0], self.n, self.k, int(x.shape[0] > QUANT_MAX_ROWS))
         return out
 
 

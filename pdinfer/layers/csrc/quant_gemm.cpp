@@ -235,22 +235,13 @@ static void qgemm_tiled(const float* x, const uint8_t* qs, const float* d, const
   });
 }
 
-extern "C" void pd_q4_gemm_tiled(const float* x, const uint8_t* qs, const float* d, const float* mn,
-                                 const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
-  qgemm_tiled<true>(x, qs, d, mn, bias, y, m, n, k);
-}
-
-extern "C" void pd_q8_gemm_tiled(const float* x, const uint8_t* qs, const float* d, const float* bias,
-                                 float* y, int64_t m, int64_t n, int64_t k) {
-  qgemm_tiled<false>(x, qs, d, nullptr, bias, y, m, n, k);
-}
-
-extern "C" void pd_q4_gemm(const float* x, const uint8_t* qs, const float* d, const float* mn,
-                           const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
-  qgemm<true>(x, qs, d, mn, bias, y, m, n, k);
-}
-
-extern "C" void pd_q8_gemm(const float* x, const uint8_t* qs, const float* d, const float* bias,
-                           float* y, int64_t m, int64_t n, int64_t k) {
-  qgemm<false>(x, qs, d, nullptr, bias, y, m, n, k);
+// One entry point for both block kinds and both loops: mn == nullptr means q8 blocks; `tiled`
+// picks the tile loop (many rows) over the row-streaming one (a few rows).
+extern "C" void pd_quant_gemm(const float* x, const uint8_t* qs, const float* d, const float* mn,
+                              const float* bias, float* y, int64_t m, int64_t n, int64_t k,
+                              int64_t tiled) {
+  if (mn != nullptr)
+    tiled ? qgemm_tiled<true>(x, qs, d, mn, bias, y, m, n, k) : qgemm<true>(x, qs, d, mn, bias, y, m, n, k);
+  else
+    tiled ? qgemm_tiled<false>(x, qs, d, mn, bias, y, m, n, k) : qgemm<false>(x, qs, d, mn, bias, y, m, n, k);
 }
