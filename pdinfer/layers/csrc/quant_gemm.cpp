@@ -16,6 +16,38 @@
 // bit-identical to the float32 de-quantization; only the order of the sums differs from a
 // float32 GEMV. A decode step of a few rows is bound by reading the weights: 5 or 8.5 bits a
 // weight here instead of 32.
+// Block b of one weight row (qr: the row's bytes) de-quantized: 32 weights, in four vectors
+// with AVX2, else in w[0..32).
+#if defined(__AVX2__) && defined(__FMA__)
+template <bool Q4>
+static inline void dequant_block(const uint8_t* __restrict qr, int64_t b, float db, float mb, __m256 w[4]) {
+  const __m256 vd = _mm256_set1_ps(db);
+  if constexpr (Q4) {
+    const __m256 vm = _mm256_set1_ps(mb);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + b * 16));
+    const __m128i lo = _mm_and_si128(raw, low4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int g = 0; g < 4; g++)
+      w[g] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[g])), vm);
+  } else {
+    for (int g = 0; g < 4; g++) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr + b * 32 + g * 8));
+      w[g] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)));
+    }
+  }
+}
+#else
+template <bool Q4>
+static inline void dequant_block(const uint8_t* __restrict qr, int64_t b, float db, float mb, float* w) {
+  for (int j = 0; j < 32; j++) {
+    const int q = Q4 ? (qr[b * 16 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15 : static_cast<int8_t>(qr[b * 32 + j]);
+    w[j] = Q4 ? db * q + mb : db * q;
+  }
+}
+#endif
+
 template <int M, bool Q4>
 static void qgemm_rows(const float* __restrict x, const uint8_t* __restrict qs,
                        const float* __restrict d, const float* __restrict mn,
@@ -25,31 +57,16 @@ static void qgemm_rows(const float* __restrict x, const uint8_t* __restrict qs,
   for (int64_t r = r0; r < r1; r++) {
     const uint8_t* __restrict qr = qs + r * row_bytes;
     const float* __restrict dr = d + r * nb;
+    const float* __restrict mr = Q4 ? mn + r * nb : nullptr;
     float sums[M];
 #if defined(__AVX2__) && defined(__FMA__)
     constexpr int C = M <= 2 ? 4 : 2;  // independent FMA chains per input row
     __m256 acc[M][C];
     for (int i = 0; i < M; i++)
       for (int c = 0; c < C; c++) acc[i][c] = _mm256_setzero_ps();
-    const __m128i low4 = _mm_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; b++) {
-      const __m256 vd = _mm256_set1_ps(dr[b]);
       __m256 w[4];
-      if constexpr (Q4) {
-        const __m256 vm = _mm256_set1_ps(mn[r * nb + b]);
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + b * 16));
-        const __m128i lo = _mm_and_si128(raw, low4);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-        w[0] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vm);
-        w[1] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vm);
-        w[2] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vm);
-        w[3] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vm);
-      } else {
-        for (int g = 0; g < 4; g++) {
-          const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr + b * 32 + g * 8));
-          w[g] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)));
-        }
-      }
+      dequant_block<Q4>(qr, b, dr[b], Q4 ? mr[b] : 0.f, w);
       for (int i = 0; i < M; i++) {
         const float* __restrict xb = x + i * k + b * 32;
         for (int g = 0; g < 4; g++)
@@ -68,11 +85,7 @@ static void qgemm_rows(const float* __restrict x, const uint8_t* __restrict qs,
     for (int i = 0; i < M; i++) sums[i] = 0.f;
     for (int64_t b = 0; b < nb; b++) {
       float w[32];
-      for (int j = 0; j < 32; j++) {
-        const int q = Q4 ? (qr[b * 16 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15
-                         : static_cast<int8_t>(qr[b * 32 + j]);
-        w[j] = Q4 ? dr[b] * q + mn[r * nb + b] : dr[b] * q;
-      }
+      dequant_block<Q4>(qr, b, dr[b], Q4 ? mr[b] : 0.f, w);
       for (int i = 0; i < M; i++)
         for (int j = 0; j < 32; j++) sums[i] += w[j] * x[i * k + b * 32 + j];
     }
@@ -108,31 +121,13 @@ static void dequant_rows(const uint8_t* __restrict qs, const float* __restrict d
     const uint8_t* __restrict qr = qs + r * row_bytes;
     float* __restrict out = buf + (r - r0) * k;
     for (int64_t b = 0; b < nb; b++) {
-      const float db = d[r * nb + b], mb = Q4 ? mn[r * nb + b] : 0.f;
+      const float mb = Q4 ? mn[r * nb + b] : 0.f;
 #if defined(__AVX2__) && defined(__FMA__)
-      const __m256 vd = _mm256_set1_ps(db);
-      if constexpr (Q4) {
-        const __m256 vm = _mm256_set1_ps(mb);
-        const __m128i low4 = _mm_set1_epi8(0x0F);
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + b * 16));
-        const __m128i lo = _mm_and_si128(raw, low4);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        for (int g = 0; g < 4; g++)
-          _mm256_storeu_ps(out + b * 32 + 8 * g,
-                           _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[g])), vm));
-      } else {
-        for (int g = 0; g < 4; g++) {
-          const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr + b * 32 + g * 8));
-          _mm256_storeu_ps(out + b * 32 + 8 * g, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))));
-        }
-      }
+      __m256 w[4];
+      dequant_block<Q4>(qr, b, d[r * nb + b], mb, w);
+      for (int g = 0; g < 4; g++) _mm256_storeu_ps(out + b * 32 + 8 * g, w[g]);
 #else
-      for (int j = 0; j < 32; j++) {
-        const int q = Q4 ? (qr[b * 16 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15
-                         : static_cast<int8_t>(qr[b * 32 + j]);
-        out[b * 32 + j] = Q4 ? db * q + mb : db * q;
-      }
+      dequant_block<Q4>(qr, b, d[r * nb + b], mb, out + b * 32);
 #endif
     }
   }
