@@ -17,9 +17,6 @@ import argparse
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -27,46 +24,23 @@ from pathlib import Path
 
 import httpx
 
+from pdinfer.serving.launch import Child, free_port, start_child, stop_all, wait_healthy
+
 SAFETY = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(args: list[str], log: Path) -> subprocess.Popen:
-    from pdinfer.env import child_environ
-
-    env = child_environ({**SAFETY, "PYTHONUNBUFFERED": "1"})
-    with open(log, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", "pdinfer.cli", *args], stdout=f, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"not healthy in {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)  # our own child's process group
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+def serve(name: str, args: list[str], log: Path, timeout_s: float) -> Child:
+    """``pdinfer <args>`` on a free port, healthy (a child named "router" also waits for every
+    engine behind it), through ``pdinfer launch``'s own child handling."""
+    port = free_port()
+    child = Child(name, [sys.executable, "-m", "pdinfer.cli", *args, "--port", str(port)],
+                  f"http://127.0.0.1:{port}", log)
+    start_child(child)
+    failed = wait_healthy([child], timeout_s)
+    if failed is not None:
+        stop_all([child])
+        raise RuntimeError(f"{name} exited or is not healthy in {timeout_s:.0f} s:\n{failed.log_tail()}")
+    return child
 
 
 def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
@@ -142,6 +116,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args()
+    os.environ.update({**SAFETY, "PYTHONUNBUFFERED": "1"})  # the children inherit them
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dry = args.dry_run
@@ -157,40 +132,30 @@ def main() -> None:
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "connector": args.connector}
 
     # 1. NORMAL on GPU 0
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = out / "normal.log"
-    proc = start(["serve", "--role", "normal", *model_flags, *([] if dry else ["--device", "cuda:0"]),
-                  "--port", str(port)], log)
+    normal = serve("normal", ["serve", "--role", "normal", *model_flags, *([] if dry else ["--device", "cuda:0"])],
+                   out / "normal.log", 600)
+    url = normal.url
     try:
-        wait_healthy(url, proc, log, 600)
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         one_request(url, model, prompts[0][:64], 4)  # warm-up
         result["normal"] = run_workload(url, model, prompts, max_tokens, concurrency)
         result["normal"]["blocks"] = blocks_back(url)
     finally:
-        stop(proc)
+        stop_all([normal])
     print(f"NORMAL done: {result['normal']['out_tok_s']:.0f} tok/s", flush=True)
 
     # 2. P/D behind the router: PE on GPU 0, CE on GPU 1 (launch assigns them)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = out / "launch.log"
-    proc = start(["launch", "--prefill", "1", "--decode", "1", *model_flags, "--kv-connector", args.connector,
-                  "--port", str(port), "--log-dir", str(out)], log)
+    launch = serve("router", ["launch", "--prefill", "1", "--decode", "1", *model_flags, "--kv-connector",
+                              args.connector, "--log-dir", str(out)], out / "launch.log", 900)
+    url = launch.url
     try:
-        wait_healthy(url, proc, log, 900)
-        deadline = time.monotonic() + 300
         engines = httpx.get(f"{url}/debug/engines", timeout=10).json()
-        while not all(e["healthy"] for e in engines) and time.monotonic() < deadline:
-            time.sleep(0.5)
-            engines = httpx.get(f"{url}/debug/engines", timeout=10).json()
         one_request(url, model, prompts[0][:64], 4)
         result["pd"] = run_workload(url, model, prompts, max_tokens, concurrency)
         result["pd"]["blocks"] = {e["url"]: blocks_back(e["url"]) for e in engines}
         result["pd"]["engines"] = engines
     finally:
-        stop(proc)
+        stop_all([launch])
     (out / "two_gpu_router.json").write_text(json.dumps(result, indent=1))
     print(table(result), flush=True)
 

@@ -90,7 +90,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -123,7 +123,7 @@ def _children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
     for role, count in (("prompt", args.prefill), ("completion", args.decode),
                         ("normal", args.normal)):
         for i in range(count):
-            port = _free_port()
+            port = free_port()
             cmd = [*pdinfer, "serve", "--role", role, "--host", "127.0.0.1", "--port", str(port),
                    *flags]
             device = devices[len(children)]
@@ -154,7 +154,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _start(child: Child) -> None:
+def start_child(child: Child) -> None:
     with open(child.log_path, "ab") as log:
         child.proc = subprocess.Popen(child.cmd, stdout=log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True,
@@ -175,7 +175,7 @@ def _healthy(child: Child) -> bool:
         return False
 
 
-def _wait_healthy(children: list[Child], timeout_s: float) -> Child | None:
+def wait_healthy(children: list[Child], timeout_s: float) -> Child | None:
     """None once all are healthy; else the child that died (or the first still unhealthy)."""
     deadline = time.monotonic() + timeout_s
     pending = list(children)
@@ -245,11 +245,11 @@ def run_launch(args: argparse.Namespace) -> int:
 def _run(children: list[Child], args: argparse.Namespace, log_dir: Path) -> int:
     engines, router = children[:-1], children[-1]
     for child in engines:
-        _start(child)
-    failed = _wait_healthy(engines, args.startup_timeout_s)
+        start_child(child)
+    failed = wait_healthy(engines, args.startup_timeout_s)
     if failed is None:
-        _start(router)
-        failed = _wait_healthy([router], args.startup_timeout_s)
+        start_child(router)
+        failed = wait_healthy([router], args.startup_timeout_s)
     if failed is not None:
         state = (f"exited with {failed.proc.returncode}" if failed.proc.poll() is not None
                  else "did not become healthy")
