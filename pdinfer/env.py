@@ -85,7 +85,7 @@ _declare(
 )
 _declare(
     "PDINFER_CPU_QUANT_GEMM", _parse_bool, True,
-    "CPU, float32, GGUF models: decode steps of up to 16 rows read the file's Q4_0/Q4_1/Q8_0 "
+    "CPU, float32, GGUF models: steps of up to 128 rows (decode) read the file's Q4_0/Q4_1/Q8_0 "
     "blocks instead of the de-quantized floats (the same values; 3-4x fewer bytes). 0: floats.",
 )
 _declare(
