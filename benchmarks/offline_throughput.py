@@ -3,6 +3,9 @@
     python benchmarks/offline_throughput.py [--num-prompts 64] [--skip-transformers]
                                             [--skip-llamacpp] [--wait-idle MIN]
 
+The baselines need ``pip install -e '.[bench]'`` (accelerate, which transformers needs to read
+a GGUF file, and llama-cpp-python); a backend whose packages are missing is skipped.
+
 Workload (``workload.make_prompts``): 64 prompts of 30-500 tokens, 128 greedy new tokens each,
 EOS ignored, so every backend produces the same 8,192 output tokens. For each backend we print
 output tok/s over the whole workload (prefill included), batch-1 decode tok/s (128-token prompt;
@@ -195,11 +198,12 @@ def run_backends(args, prompts: list[list[int]], gguf_path: str) -> list[dict]:
         prompts, args.max_new_tokens, gguf_path=gguf_path)))
     results = []
     for name, wanted, run in runners:
-        module = {"transformers": "transformers", "llamacpp": "llama_cpp"}.get(name)
+        # transformers reads a GGUF file only with accelerate installed.
+        modules = {"transformers": ["transformers", "accelerate"], "llamacpp": ["llama_cpp"]}.get(name, [])
         if not wanted:
             continue
-        if module and importlib.util.find_spec(module) is None:
-            print(f"[offline] skipping {name}: package {module!r} is not installed")
+        if missing := [m for m in modules if importlib.util.find_spec(m) is None]:
+            print(f"[offline] skipping {name}: {', '.join(missing)} not installed (pip install -e '.[bench]')")
             continue
         if args.wait_idle > 0 and not workload.wait_for_idle_cpu(args.wait_idle * 60):
             print("[offline] the machine never went idle; the figures below are contended")

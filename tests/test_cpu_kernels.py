@@ -37,6 +37,27 @@ def kernels(tmp_path_factory):
     return lib
 
 
+def _cpu_has(flag: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and flag in line.split() for line in f)
+
+
+# The kernels' code paths: what -march=native picks here, and every narrower one this machine
+# can run (the AVX2 code on an AVX-512 machine, the plain loops everywhere).
+_NARROWER = {"avx2": ("-mno-avx512f",), "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+@pytest.fixture(scope="module", params=["native", "avx2", "scalar"])
+def kernel_paths(request, tmp_path_factory, kernels):
+    if request.param == "native":
+        return kernels
+    if request.param == "avx2" and not (_cpu_has("avx512f") and _cpu_has("avx2")):
+        return kernels  # native is the AVX2 (or the only) code here: nothing narrower to add
+    lib = cpu_kernels.build(str(tmp_path_factory.mktemp("kernels")), _NARROWER[request.param])
+    assert lib is not None, f"the {request.param} kernels did not compile"
+    return lib
+
+
 def _decode_case(head_dim: int, group: int, lengths: list[int], seed: int = 0):
     """A random KV cache, shuffled block tables, queries, and the SDPA reference output."""
     gen = torch.Generator().manual_seed(seed)
@@ -79,9 +100,9 @@ def _run_decode(kv, layer, q, inp, kernel):
 # Many sequences: one work item per sequence; one or two: one per (sequence, KV head), and a
 # long one split across threads.
 @pytest.mark.parametrize("lengths", [[1, 5, 17, 64, 3, 40, 33], [9], [2000, 3]])
-def test_native_decode_matches_sdpa(kernels, head_dim, group, lengths):
+def test_native_decode_matches_sdpa(kernel_paths, head_dim, group, lengths):
     kv, layer, q, inp, ref = _decode_case(head_dim, group, lengths)
-    out = _run_decode(kv, layer, q, inp, kernels)
+    out = _run_decode(kv, layer, q, inp, kernel_paths)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -129,10 +150,12 @@ def test_gguf_blocks_dequantize_exactly_like_gguf(gguf_type):
 
 @pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1, 23, QUANT_TILED_MAX_ROWS])
-def test_quantized_gemm_matches_linear_on_dequantized_weights(kernels, gguf_type, rows):
-    raw, weight = _gguf_blocks(gguf_type, 8 * 9 + 3, 7 * 32, seed=rows)
+def test_quantized_gemm_matches_linear_on_dequantized_weights(kernel_paths, gguf_type, rows):
+    kernels = kernel_paths
+    # 75 outputs: a partial last tile; 288 inputs: more than one slice of the tiled loop.
+    raw, weight = _gguf_blocks(gguf_type, 8 * 9 + 3, 9 * 32, seed=rows)
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 7 * 32 + 5, generator=gen)[:, 5:]  # strided input rows
+    x = torch.randn(rows, 9 * 32 + 5, generator=gen)[:, 5:]  # strided input rows
     bias = torch.randn(weight.shape[0], generator=gen)
     quant = QuantWeight.from_gguf(gguf_type, raw)
     ref = F.linear(x.double(), weight.double(), bias.double()).float()

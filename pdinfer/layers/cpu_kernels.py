@@ -9,12 +9,14 @@
 - ``pd_quant_gemm``: the same for a GGUF model's Q4_0/Q4_1/Q8_0 blocks, de-quantized in
   registers (bit-identical weights, a fifth to a quarter of the bytes): batch-1 decode of the
   default model at ~2x the float path; for 9-128 rows (large decode batches) it de-quantizes
-  16 weight rows at a time into an L1/L2 tile for a 6x16 FMA register kernel.
+  a tile of weight rows at a time into an L1/L2 buffer for an FMA register kernel (8 x 32 with
+  AVX-512, 6 x 16 with AVX2).
 - ``pd_rms_norm``, ``pd_rotary_qk``, ``pd_silu_and_mul``: one pass each instead of 3-8 small
   torch ops (``FusedOps``, the CPU twin of ``triton_ops``); they matter at small batches, where
   per-op overhead rivals the arithmetic.
 
-~460 lines of C++ (AVX2 intrinsics where available, plain loops otherwise), compiled with the
+~550 lines of C++ (AVX-512 or AVX2 intrinsics where available, plain loops otherwise; ``-march=native``
+picks), compiled with the
 system ``g++`` against ATen's threading header only
 (``at::parallel_for`` shares torch's OpenMP pool), in a few seconds, once per machine: the
 library is cached under ``PDINFER_CACHE_DIR`` keyed by source, flags, torch version and CPU
@@ -62,12 +64,18 @@ def fused_ops() -> FusedOps | None:
     return _loaded.get("ops")
 
 
-def _build_and_load(cache_dir: str | None) -> ctypes.CDLL | None:
+def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """A separate copy of the library compiled with ``extra_flags`` added (e.g. ``-mno-avx512f``
+    for the AVX2 code on an AVX-512 machine), or None; ``load()``'s library is unaffected."""
+    return _build_and_load(cache_dir, extra_flags)
+
+
+def _build_and_load(cache_dir: str | None, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
         return None
     torch_dir = Path(torch.__file__).parent
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    cmd_tail = [f"-I{torch_dir / 'include'}", abi, f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
+    cmd_tail = [*extra_flags, f"-I{torch_dir / 'include'}", abi, f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
                 f"-Wl,-rpath,{torch_dir / 'lib'}"]
     texts = [src.read_text() for src in _SOURCES]
     key = hashlib.sha256("\0".join([*texts, *_FLAGS, *cmd_tail, torch.__version__, _cpu_id()])

@@ -9,8 +9,8 @@ faster still. Only float32 on CPU is packed; anything else keeps ``nn.Linear``.
 Weights that came from a GGUF file as Q4_0/Q4_1/Q8_0 blocks also keep those blocks
 (``QuantWeight``): up to ``QUANT_TILED_MAX_ROWS`` rows ``pd_quant_gemm`` reads them instead of
 the floats, streaming the blocks past the input rows up to ``QUANT_MAX_ROWS`` rows and above
-that de-quantizing 16 weight rows at a time into a cache-resident tile for a 6x16 register
-kernel. The de-quantized values are bit-identical to the float weights (checked
+that de-quantizing a tile of weight rows at a time into a cache-resident buffer for a register
+kernel (8 x 32 with AVX-512, 6 x 16 with AVX2). The de-quantized values are bit-identical to the float weights (checked
 when the blocks are attached), so the result differs from the float path only in the order of
 the sums; a batch-1 step reads ~115 MB instead of 538 MB for SmolLM2-135M.
 """
@@ -33,7 +33,9 @@ PACK_BATCH_HINT = 64
 SMALL_GEMM_MAX_ROWS = 4
 # Block-quantized weights, all of SmolLM2-135M's matrices once (out of cache), 2 cores: the
 # row-streaming GEMM up to 8 rows (21 ms at 4 rows, 36 at 8; oneDNN on the floats 73, 83),
-# then the tiled one up to 128 (at 16/64/128 rows 72/193/336 ms; oneDNN 94/219/355).
+# then the tiled one up to 128 (at 16/64/128 rows 72/193/336 ms; oneDNN 94/219/355). On a
+# 2-core AVX-512 machine the tiled one at 64 rows: 68-73 ms with the 8 x 32 kernel (AVX2's
+# 6 x 16 there: 120), oneDNN 74-80.
 QUANT_MAX_ROWS = 8
 QUANT_TILED_MAX_ROWS = 128
 # Bytes per 32-weight block: a float16 scale (Q4_1: and a float16 minimum) and the quants.

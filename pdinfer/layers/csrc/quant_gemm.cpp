@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -133,20 +133,39 @@ static void dequant_rows(const uint8_t* __restrict qs, const float* __restrict d
   }
 }
 
-// Weight rows [r0, r0 + 16) of a block-quantized weight into buf [k][16] (16 outputs side by
-// side for each input position; rows past n are zeros): de-quantized row-wise into rows
-// [16][k], then transposed in 8x8 blocks.
+// The tiled GEMM's register tile: TILE weight rows (output columns) by MR input rows. With
+// AVX-512 (32 vector registers), 32 columns in two registers by 8 rows (16 accumulators); with
+// AVX2 (16 registers), 16 columns in two registers by 6 rows (BLIS's 6x16).
+#if defined(__AVX512F__)
+#ifndef PD_TILE
+#define PD_TILE 32
+#define PD_MR 8
+#endif
+constexpr int64_t TILE = PD_TILE;
+constexpr int MR = PD_MR;
+#else
+constexpr int64_t TILE = 16;
+constexpr int MR = 6;
+#endif
+#ifndef PD_KC
+#define PD_KC 256
+#endif
+constexpr int64_t KC = PD_KC;
+
+// Weight rows [r0, r0 + TILE) of a block-quantized weight into buf [k][TILE] (TILE outputs
+// side by side for each input position; rows past n are zeros): de-quantized row-wise into
+// rows [TILE][k], then transposed in 8x8 blocks.
 template <bool Q4>
 static void pack_tile(const uint8_t* qs, const float* d, const float* mn, int64_t r0, int64_t n,
                       int64_t k, float* __restrict rows, float* __restrict buf) {
-  const int64_t r1 = std::min(n, r0 + 16);
+  const int64_t r1 = std::min(n, r0 + TILE);
   dequant_rows<Q4>(qs, d, mn, r0, r1, k, rows);
-  std::fill(rows + (r1 - r0) * k, rows + 16 * k, 0.f);
+  std::fill(rows + (r1 - r0) * k, rows + TILE * k, 0.f);
 #if defined(__AVX2__) && defined(__FMA__)
-  for (int64_t half = 0; half < 2; half++)
+  for (int64_t part = 0; part < TILE / 8; part++)
     for (int64_t c = 0; c < k; c += 8) {
       __m256 v[8];
-      for (int q = 0; q < 8; q++) v[q] = _mm256_loadu_ps(rows + (half * 8 + q) * k + c);
+      for (int q = 0; q < 8; q++) v[q] = _mm256_loadu_ps(rows + (part * 8 + q) * k + c);
       const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
       const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
       const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
@@ -155,77 +174,98 @@ static void pack_tile(const uint8_t* qs, const float* d, const float* mn, int64_
       const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
       const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
       const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-      float* o = buf + c * 16 + half * 8;
-      _mm256_storeu_ps(o + 0 * 16, _mm256_permute2f128_ps(u0, u4, 0x20));
-      _mm256_storeu_ps(o + 1 * 16, _mm256_permute2f128_ps(u1, u5, 0x20));
-      _mm256_storeu_ps(o + 2 * 16, _mm256_permute2f128_ps(u2, u6, 0x20));
-      _mm256_storeu_ps(o + 3 * 16, _mm256_permute2f128_ps(u3, u7, 0x20));
-      _mm256_storeu_ps(o + 4 * 16, _mm256_permute2f128_ps(u0, u4, 0x31));
-      _mm256_storeu_ps(o + 5 * 16, _mm256_permute2f128_ps(u1, u5, 0x31));
-      _mm256_storeu_ps(o + 6 * 16, _mm256_permute2f128_ps(u2, u6, 0x31));
-      _mm256_storeu_ps(o + 7 * 16, _mm256_permute2f128_ps(u3, u7, 0x31));
+      float* o = buf + c * TILE + part * 8;
+      _mm256_storeu_ps(o + 0 * TILE, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + 1 * TILE, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * TILE, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * TILE, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * TILE, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * TILE, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * TILE, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * TILE, _mm256_permute2f128_ps(u3, u7, 0x31));
     }
 #else
-  for (int64_t q = 0; q < 16; q++)
-    for (int64_t c = 0; c < k; c++) buf[c * 16 + q] = rows[q * k + c];
+  for (int64_t q = 0; q < TILE; q++)
+    for (int64_t c = 0; c < k; c++) buf[c * TILE + q] = rows[q * k + c];
 #endif
 }
 
-// out[i][0:16] = x[i] . buf for MR input rows (row stride k): 16 outputs in two vectors per
-// row, one broadcast of x[i][c] each, 2 * MR accumulators (the 6x16 register tile of BLIS).
-template <int MR>
-static inline void tile_kernel(const float* __restrict x, int64_t k, const float* __restrict buf,
-                               float* __restrict out) {
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[MR][2];
-  for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < k; c++) {
-    const __m256 w0 = _mm256_loadu_ps(buf + c * 16), w1 = _mm256_loadu_ps(buf + c * 16 + 8);
-    for (int i = 0; i < MR; i++) {
-      const __m256 xb = _mm256_broadcast_ss(x + i * k + c);
-      acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
+// out[i][0:TILE] (+)= x[i][0:kc] . buf[0:kc] for R <= MR input rows (row stride ldx): one
+// broadcast of x[i][c] per row and position, one FMA per vector of the row's accumulators.
+// `first`: start from zero, else add to what out holds (a later slice of the input positions).
+template <int R>
+static inline void tile_kernel(const float* __restrict x, int64_t ldx, int64_t kc,
+                               const float* __restrict buf, float* __restrict out, bool first) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
+  using vec = __m512;
+  constexpr int W = 16;
+  auto load = [](const float* p) { return _mm512_loadu_ps(p); };
+  auto store = [](float* p, vec v) { _mm512_storeu_ps(p, v); };
+  auto bcast = [](const float* p) { return _mm512_set1_ps(*p); };
+  auto fma = [](vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); };
+  auto zero = []() { return _mm512_setzero_ps(); };
+#else
+  using vec = __m256;
+  constexpr int W = 8;
+  auto load = [](const float* p) { return _mm256_loadu_ps(p); };
+  auto store = [](float* p, vec v) { _mm256_storeu_ps(p, v); };
+  auto bcast = [](const float* p) { return _mm256_broadcast_ss(p); };
+  auto fma = [](vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); };
+  auto zero = []() { return _mm256_setzero_ps(); };
+#endif
+  constexpr int NV = TILE / W;
+  vec acc[R][NV];
+  for (int i = 0; i < R; i++)
+    for (int v = 0; v < NV; v++) acc[i][v] = first ? zero() : load(out + i * TILE + W * v);
+  for (int64_t c = 0; c < kc; c++) {
+    vec w[NV];
+    for (int v = 0; v < NV; v++) w[v] = load(buf + c * TILE + W * v);
+    for (int i = 0; i < R; i++) {
+      const vec xb = bcast(x + i * ldx + c);
+      for (int v = 0; v < NV; v++) acc[i][v] = fma(xb, w[v], acc[i][v]);
     }
   }
-  for (int i = 0; i < MR; i++) {
-    _mm256_storeu_ps(out + i * 16, acc[i][0]);
-    _mm256_storeu_ps(out + i * 16 + 8, acc[i][1]);
-  }
+  for (int i = 0; i < R; i++)
+    for (int v = 0; v < NV; v++) store(out + i * TILE + W * v, acc[i][v]);
 #else
-  for (int i = 0; i < MR; i++)
-    for (int q = 0; q < 16; q++) {
-      float a = 0.f;
-      for (int64_t c = 0; c < k; c++) a += x[i * k + c] * buf[c * 16 + q];
-      out[i * 16 + q] = a;
+  for (int i = 0; i < R; i++)
+    for (int64_t q = 0; q < TILE; q++) {
+      float a = first ? 0.f : out[i * TILE + q];
+      for (int64_t c = 0; c < kc; c++) a += x[i * ldx + c] * buf[c * TILE + q];
+      out[i * TILE + q] = a;
     }
 #endif
 }
 
-// Many input rows (a decode step of a large batch): each thread de-quantizes a tile of 16
-// weight rows once (about 1/m of the arithmetic) and multiplies every input row with it.
+// tile_kernel<rows> for 1 <= rows <= R.
+template <int R>
+static inline void tile_rows(int64_t rows, const float* x, int64_t ldx, int64_t kc, const float* buf,
+                             float* out, bool first) {
+  if constexpr (R > 1)
+    if (rows < R) return tile_rows<R - 1>(rows, x, ldx, kc, buf, out, first);
+  tile_kernel<R>(x, ldx, kc, buf, out, first);
+}
+
+// Many input rows (a decode step of a large batch): each thread de-quantizes a tile of TILE
+// weight rows once (about 1/m of the arithmetic) and multiplies every input row with it, KC
+// input positions at a time so the tile's slice stays in L1 while all rows pass.
 template <bool Q4>
 static void qgemm_tiled(const float* x, const uint8_t* qs, const float* d, const float* mn,
                         const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
-  at::parallel_for(0, (n + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> rows(16 * k), buf(16 * k);
-    float out[6 * 16];
+  at::parallel_for(0, (n + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> rows(TILE * k), buf(TILE * k), out(m * TILE);
     for (int64_t t = t0; t < t1; t++) {
-      const int64_t r0 = t * 16, nr = std::min<int64_t>(16, n - r0);
+      const int64_t r0 = t * TILE, nr = std::min(TILE, n - r0);
       pack_tile<Q4>(qs, d, mn, r0, n, k, rows.data(), buf.data());
-      for (int64_t i = 0; i < m; i += 6) {
-        const int64_t mr = std::min<int64_t>(6, m - i);
-        const float* xi = x + i * k;
-        switch (mr) {
-          case 1: tile_kernel<1>(xi, k, buf.data(), out); break;
-          case 2: tile_kernel<2>(xi, k, buf.data(), out); break;
-          case 3: tile_kernel<3>(xi, k, buf.data(), out); break;
-          case 4: tile_kernel<4>(xi, k, buf.data(), out); break;
-          case 5: tile_kernel<5>(xi, k, buf.data(), out); break;
-          default: tile_kernel<6>(xi, k, buf.data(), out); break;
-        }
-        for (int64_t a = 0; a < mr; a++)
-          for (int64_t q = 0; q < nr; q++) y[(i + a) * n + r0 + q] = out[a * 16 + q] + (bias ? bias[r0 + q] : 0.f);
+      for (int64_t c0 = 0; c0 < k; c0 += KC) {
+        const int64_t kc = std::min(KC, k - c0);
+        for (int64_t i = 0; i < m; i += MR)
+          tile_rows<MR>(std::min<int64_t>(MR, m - i), x + i * k + c0, k, kc, buf.data() + c0 * TILE,
+                        out.data() + i * TILE, c0 == 0);
       }
+      for (int64_t i = 0; i < m; i++)
+        for (int64_t q = 0; q < nr; q++) y[i * n + r0 + q] = out[i * TILE + q] + (bias ? bias[r0 + q] : 0.f);
     }
   });
 }
