@@ -64,14 +64,65 @@ static inline float exp_nonpositive(float x) {
 }
 
 // One work item is (sequence, KV heads [h0, h0 + nh)): their nh * group query heads against
-// those heads' K/V, reading each block's rows once for all of them (contiguous when nh is every
-// head) and prefetching the next block while computing on this one.
+// those heads' K/V, block by block; each query head's accumulators stay in registers over a
+// block's tokens (the block's K or V, 16 tokens x nh heads, stays in L1 meanwhile), and the next
+// block is prefetched while this one is computed on.
 // s: strides of the layer view [blocks, 2, block_size, KVH, D] in floats (block, k->v, token,
 // head) and the block size. DIM > 0 fixes head_dim at compile time (full unrolling).
+#ifndef PD_PF
+#define PD_PF 16
+#endif
 static inline void prefetch_block(const float* base, int64_t n, int64_t nh, const int64_t* s, int64_t dim) {
+  if (PD_PF == 0) return;
   for (int64_t o = 0; o < n; o++)
     for (int64_t hh = 0; hh < nh; hh++)
-      for (int64_t c = 0; c < dim; c += 16) __builtin_prefetch(base + o * s[2] + hh * s[3] + c);
+      for (int64_t c = 0; c < dim; c += PD_PF) __builtin_prefetch(base + o * s[2] + hh * s[3] + c);
+}
+
+// out[o] = scale * (qg . k[o]) for the n rows k[o] = k + o * stride.
+template <int DIM>
+static inline void block_scores(const float* __restrict qg, const float* __restrict k, int64_t n,
+                                int64_t stride, int64_t dim, float scale, float* __restrict out) {
+#if PD_SIMD
+  if constexpr (DIM > 0 && DIM % Simd::W == 0) {
+    constexpr int NV = DIM / Simd::W;
+    Simd::V qr[NV];
+    for (int v = 0; v < NV; v++) qr[v] = Simd::load(qg + v * Simd::W);
+    for (int64_t o = 0; o < n; o++) {
+      const float* __restrict ko = k + o * stride;
+      Simd::V p = Simd::mul(qr[0], Simd::load(ko));
+      for (int v = 1; v < NV; v++) p = Simd::fma(qr[v], Simd::load(ko + v * Simd::W), p);
+      out[o] = Simd::sum(p) * scale;
+    }
+    return;
+  }
+#endif
+  for (int64_t o = 0; o < n; o++) {
+    float dot = 0.f;
+    for (int64_t d = 0; d < dim; d++) dot += qg[d] * k[o * stride + d];
+    out[o] = dot * scale;
+  }
+}
+
+// acc += sum over o of p[o] * v[o] for the n rows v[o] = v + o * stride.
+template <int DIM>
+static inline void block_accumulate(const float* __restrict p, const float* __restrict v, int64_t n,
+                                    int64_t stride, int64_t dim, float* __restrict acc) {
+#if PD_SIMD
+  if constexpr (DIM > 0 && DIM % Simd::W == 0) {
+    constexpr int NV = DIM / Simd::W;
+    Simd::V a[NV];
+    for (int u = 0; u < NV; u++) a[u] = Simd::load(acc + u * Simd::W);
+    for (int64_t o = 0; o < n; o++) {
+      const Simd::V po = Simd::set1(p[o]);
+      for (int u = 0; u < NV; u++) a[u] = Simd::fma(po, Simd::load(v + o * stride + u * Simd::W), a[u]);
+    }
+    for (int u = 0; u < NV; u++) Simd::store(acc + u * Simd::W, a[u]);
+    return;
+  }
+#endif
+  for (int64_t o = 0; o < n; o++)
+    for (int64_t d = 0; d < dim; d++) acc[d] += p[o] * v[o * stride + d];
 }
 
 template <int DIM>
@@ -88,34 +139,13 @@ static void decode_item(const float* __restrict kv, const float* __restrict q, f
       prefetch_block(kv + table[j + 1] * s[0] + h0 * s[3], std::min(bs, len - t0 - bs), nh, s, dim);
     else  // the V rows of the first block come next
       prefetch_block(kv + table[0] * s[0] + s[1] + h0 * s[3], std::min(bs, len), nh, s, dim);
-    for (int64_t o = 0; o < n; o++)
-      for (int64_t hh = 0; hh < nh; hh++) {
-        const float* __restrict k = base + o * s[2] + hh * s[3];
-#if PD_SIMD
-        if constexpr (DIM > 0 && DIM % Simd::W == 0) {  // K row in registers, one sum per query head
-          constexpr int NV = DIM / Simd::W;
-          Simd::V kr[NV];
-          for (int v = 0; v < NV; v++) kr[v] = Simd::load(k + v * Simd::W);
-          for (int64_t g = 0; g < group; g++) {
-            const float* __restrict qg = q + (hh * group + g) * DIM;
-            Simd::V p = Simd::mul(Simd::load(qg), kr[0]);
-            for (int v = 1; v < NV; v++) p = Simd::fma(Simd::load(qg + v * Simd::W), kr[v], p);
-            scores[(hh * group + g) * len + t0 + o] = Simd::sum(p) * scale;
-          }
-          continue;
-        }
-#endif
-        for (int64_t g = 0; g < group; g++) {
-          const float* __restrict qg = q + (hh * group + g) * dim;
-          float dot = 0.f;
-          for (int64_t d = 0; d < dim; d++) dot += qg[d] * k[d];
-          scores[(hh * group + g) * len + t0 + o] = dot * scale;
-        }
-      }
+    for (int64_t r = 0; r < rows; r++)
+      block_scores<DIM>(q + r * dim, base + (r / group) * s[3], n, s[2], dim, scale, scores + r * len + t0);
   }
   for (int64_t r = 0; r < rows; r++) {
     float* __restrict sg = scores + r * len;
-    const float m = *std::max_element(sg, sg + len);
+    float m = sg[0];
+    for (int64_t t = 1; t < len; t++) m = std::max(m, sg[t]);
     float sum = 0.f;
     for (int64_t t = 0; t < len; t++) { sg[t] = exp_nonpositive(sg[t] - m); sum += sg[t]; }
     const float inv = 1.f / sum;
@@ -127,28 +157,8 @@ static void decode_item(const float* __restrict kv, const float* __restrict q, f
     const int64_t n = std::min(bs, len - t0);
     if (j + 1 < nblocks)
       prefetch_block(kv + table[j + 1] * s[0] + s[1] + h0 * s[3], std::min(bs, len - t0 - bs), nh, s, dim);
-    for (int64_t o = 0; o < n; o++)
-      for (int64_t hh = 0; hh < nh; hh++) {
-        const float* __restrict v = base + o * s[2] + hh * s[3];
-#if PD_SIMD
-        if constexpr (DIM > 0 && DIM % Simd::W == 0) {  // V row in registers, added to each head
-          constexpr int NV = DIM / Simd::W;
-          Simd::V vr[NV];
-          for (int u = 0; u < NV; u++) vr[u] = Simd::load(v + u * Simd::W);
-          for (int64_t g = 0; g < group; g++) {
-            float* __restrict a = acc + (hh * group + g) * DIM;
-            const Simd::V p = Simd::set1(scores[(hh * group + g) * len + t0 + o]);
-            for (int u = 0; u < NV; u++) Simd::store(a + u * Simd::W, Simd::fma(p, vr[u], Simd::load(a + u * Simd::W)));
-          }
-          continue;
-        }
-#endif
-        for (int64_t g = 0; g < group; g++) {
-          float* __restrict a = acc + (hh * group + g) * dim;
-          const float p = scores[(hh * group + g) * len + t0 + o];
-          for (int64_t d = 0; d < dim; d++) a[d] += p * v[d];
-        }
-      }
+    for (int64_t r = 0; r < rows; r++)
+      block_accumulate<DIM>(scores + r * len + t0, base + (r / group) * s[3], n, s[2], dim, acc + r * dim);
   }
   std::memcpy(out, acc, sizeof(float) * rows * dim);
 }
