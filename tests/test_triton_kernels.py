@@ -3,8 +3,8 @@
 Each kernel is compared with a plain float64 reference on random inputs, with the paged layout
 the engine uses (scrambled block tables, padding rows, cached prefixes, GQA). The last test
 runs whole engine steps through ``GpuStepRunner`` (the CUDA step path: packed inputs, Triton
-attention, pending tokens) against the CPU ``ModelRunner`` on the same weights. Skipped only
-where Triton is not installed (CI has none; these are developer checks for the GPU path).
+attention, pending tokens) against the CPU ``ModelRunner`` on the same weights. The dev extra
+installs Triton, so CI runs them; skipped only where Triton is missing.
 """
 
 from __future__ import annotations

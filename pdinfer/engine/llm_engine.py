@@ -272,13 +272,11 @@ class LLMEngine:
         self.pre_sampler_sync(plan)
         outputs, self._ready_outputs = self._ready_outputs, []
         outputs += self.output_processor.scheduler_outputs(plan)
-        if self.zero_overhead:
-            previous, self._inflight = self._inflight, inflight
-        else:
-            previous = inflight
-        if previous is not None:
-            outputs += self._post_process_step(previous)
-        return outputs
+        if not self.zero_overhead:
+            return outputs + (self._post_process_step(inflight) if inflight is not None else [])
+        previous, self._inflight = self._inflight, inflight
+        host_work = (lambda: self._post_process_step(previous)) if previous is not None else list
+        return outputs + self.executor.overlap_with(inflight and inflight.future, host_work)
 
     def _launch(self, plan: SchedulerOutputs) -> InFlight | None:
         # In a DP group a rank's companion empty prefill step still runs an (empty) forward,
