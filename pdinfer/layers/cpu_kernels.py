@@ -15,7 +15,7 @@
   torch ops (``FusedOps``, the CPU twin of ``triton_ops``); they matter at small batches, where
   per-op overhead rivals the arithmetic.
 
-~550 lines of C++ (AVX-512 or AVX2 intrinsics where available, plain loops otherwise; ``-march=native``
+~550 lines of C++ (AVX-512 or AVX2 through one small wrapper, ``csrc/simd.h``, plain loops otherwise; ``-march=native``
 picks), compiled with the
 system ``g++`` against ATen's threading header only
 (``at::parallel_for`` shares torch's OpenMP pool), in a few seconds, once per machine: the
@@ -40,8 +40,9 @@ import torch
 
 logger = logging.getLogger("pdinfer")
 
-# The C++ sources, compiled together into one library.
+# The C++ sources, compiled together into one library, and the header they share.
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "quant_gemm.cpp")]
+_HEADERS = [Path(__file__).parent / "csrc" / "simd.h"]
 
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17",
           "-shared", "-fPIC"]
@@ -77,7 +78,7 @@ def _build_and_load(cache_dir: str | None, extra_flags: tuple[str, ...] = ()) ->
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
     cmd_tail = [*extra_flags, f"-I{torch_dir / 'include'}", abi, f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
                 f"-Wl,-rpath,{torch_dir / 'lib'}"]
-    texts = [src.read_text() for src in _SOURCES]
+    texts = [src.read_text() for src in _SOURCES + _HEADERS]
     key = hashlib.sha256("\0".join([*texts, *_FLAGS, *cmd_tail, torch.__version__, _cpu_id()])
                          .encode()).hexdigest()[:16]
     root = Path(cache_dir or os.path.expanduser("~/.cache/pdinfer")) / "kernels"

@@ -6,43 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-// The widest float vector this machine has (AVX-512, else AVX2), for loops the compiler does
-// not vectorize well by itself. PD_SIMD is 0 without either.
-#if defined(__AVX512F__)
-#define PD_SIMD 1
-struct Simd {
-  using V = __m512;
-  static constexpr int W = 16;
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(V v) { return _mm512_reduce_add_ps(v); }
-};
-#elif defined(__AVX2__) && defined(__FMA__)
-#define PD_SIMD 1
-struct Simd {
-  using V = __m256;
-  static constexpr int W = 8;
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(V v) {
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
-  }
-};
-#else
-#define PD_SIMD 0
-#endif
+#include "simd.h"
 
 // Work below this many elements runs on the calling thread: waking the pool costs more than
 // it saves (a decode step of a few sequences), and far more when the cores are shared.
@@ -69,14 +33,11 @@ static inline float exp_nonpositive(float x) {
 // block is prefetched while this one is computed on.
 // s: strides of the layer view [blocks, 2, block_size, KVH, D] in floats (block, k->v, token,
 // head) and the block size. DIM > 0 fixes head_dim at compile time (full unrolling).
-#ifndef PD_PF
-#define PD_PF 16
-#endif
+// Every cache line of the next block is prefetched (measured faster than one line per row or none).
 static inline void prefetch_block(const float* base, int64_t n, int64_t nh, const int64_t* s, int64_t dim) {
-  if (PD_PF == 0) return;
   for (int64_t o = 0; o < n; o++)
     for (int64_t hh = 0; hh < nh; hh++)
-      for (int64_t c = 0; c < dim; c += PD_PF) __builtin_prefetch(base + o * s[2] + hh * s[3] + c);
+      for (int64_t c = 0; c < dim; c += 16) __builtin_prefetch(base + o * s[2] + hh * s[3] + c);
 }
 
 // out[o] = scale * (qg . k[o]) for the n rows k[o] = k + o * stride.

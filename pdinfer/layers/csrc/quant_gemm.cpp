@@ -4,9 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <vector>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 // Block-quantized weights (GGUF's Q4_0/Q4_1/Q8_0, see cpu_linear.py), 32 weights a block:
 //   q4: w = d * q + mn, q in [0, 16): element j < 16 in the low nibble of qs[j], j + 16 in its
@@ -137,20 +135,14 @@ static void dequant_rows(const uint8_t* __restrict qs, const float* __restrict d
 // AVX-512 (32 vector registers), 32 columns in two registers by 8 rows (16 accumulators); with
 // AVX2 (16 registers), 16 columns in two registers by 6 rows (BLIS's 6x16).
 #if defined(__AVX512F__)
-#ifndef PD_TILE
-#define PD_TILE 32
-#define PD_MR 8
-#endif
-constexpr int64_t TILE = PD_TILE;
-constexpr int MR = PD_MR;
+constexpr int64_t TILE = 32;
+constexpr int MR = 8;
 #else
 constexpr int64_t TILE = 16;
 constexpr int MR = 6;
 #endif
-#ifndef PD_KC
-#define PD_KC 256
-#endif
-constexpr int64_t KC = PD_KC;
+// Input positions per pass over the rows: the tile's slice (KC x TILE floats) stays in L1.
+constexpr int64_t KC = 256;
 
 // Weight rows [r0, r0 + TILE) of a block-quantized weight into buf [k][TILE] (TILE outputs
 // side by side for each input position; rows past n are zeros): de-quantized row-wise into
@@ -196,38 +188,23 @@ static void pack_tile(const uint8_t* qs, const float* d, const float* mn, int64_
 template <int R>
 static inline void tile_kernel(const float* __restrict x, int64_t ldx, int64_t kc,
                                const float* __restrict buf, float* __restrict out, bool first) {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#if defined(__AVX512F__)
-  using vec = __m512;
-  constexpr int W = 16;
-  auto load = [](const float* p) { return _mm512_loadu_ps(p); };
-  auto store = [](float* p, vec v) { _mm512_storeu_ps(p, v); };
-  auto bcast = [](const float* p) { return _mm512_set1_ps(*p); };
-  auto fma = [](vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); };
-  auto zero = []() { return _mm512_setzero_ps(); };
-#else
-  using vec = __m256;
-  constexpr int W = 8;
-  auto load = [](const float* p) { return _mm256_loadu_ps(p); };
-  auto store = [](float* p, vec v) { _mm256_storeu_ps(p, v); };
-  auto bcast = [](const float* p) { return _mm256_broadcast_ss(p); };
-  auto fma = [](vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); };
-  auto zero = []() { return _mm256_setzero_ps(); };
-#endif
+#if PD_SIMD
+  using vec = Simd::V;
+  constexpr int W = Simd::W;
   constexpr int NV = TILE / W;
   vec acc[R][NV];
   for (int i = 0; i < R; i++)
-    for (int v = 0; v < NV; v++) acc[i][v] = first ? zero() : load(out + i * TILE + W * v);
+    for (int v = 0; v < NV; v++) acc[i][v] = first ? Simd::zero() : Simd::load(out + i * TILE + W * v);
   for (int64_t c = 0; c < kc; c++) {
     vec w[NV];
-    for (int v = 0; v < NV; v++) w[v] = load(buf + c * TILE + W * v);
+    for (int v = 0; v < NV; v++) w[v] = Simd::load(buf + c * TILE + W * v);
     for (int i = 0; i < R; i++) {
-      const vec xb = bcast(x + i * ldx + c);
-      for (int v = 0; v < NV; v++) acc[i][v] = fma(xb, w[v], acc[i][v]);
+      const vec xb = Simd::set1(x[i * ldx + c]);
+      for (int v = 0; v < NV; v++) acc[i][v] = Simd::fma(xb, w[v], acc[i][v]);
     }
   }
   for (int i = 0; i < R; i++)
-    for (int v = 0; v < NV; v++) store(out + i * TILE + W * v, acc[i][v]);
+    for (int v = 0; v < NV; v++) Simd::store(out + i * TILE + W * v, acc[i][v]);
 #else
   for (int i = 0; i < R; i++)
     for (int64_t q = 0; q < TILE; q++) {
