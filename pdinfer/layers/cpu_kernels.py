@@ -15,13 +15,12 @@
   torch ops (``FusedOps``, the CPU twin of ``triton_ops``); they matter at small batches, where
   per-op overhead rivals the arithmetic.
 
-~550 lines of C++ (AVX-512 or AVX2 through one small wrapper, ``csrc/simd.h``, plain loops otherwise; ``-march=native``
-picks), compiled with the
-system ``g++`` against ATen's threading header only
-(``at::parallel_for`` shares torch's OpenMP pool), in a few seconds, once per machine: the
-library is cached under ``PDINFER_CACHE_DIR`` keyed by source, flags, torch version and CPU
-flags, and loaded with ``ctypes``. Without a compiler, or when building or loading fails,
-``load()`` returns None and callers use plain torch.
+~550 lines of C++ (AVX-512 or AVX2 through one small wrapper, ``csrc/simd.h``, plain loops
+otherwise; ``-march=native`` picks), compiled with the system ``g++`` against ATen's threading
+header only (``at::parallel_for`` shares torch's OpenMP pool), in a few seconds, once per
+machine: the library is cached under ``PDINFER_CACHE_DIR`` keyed by source, flags, torch
+version and CPU flags, and loaded with ``ctypes``. Without a compiler, or when building or
+loading fails, ``load()`` returns None and callers use plain torch.
 """
 
 from __future__ import annotations
