@@ -37,11 +37,6 @@ def kernels(tmp_path_factory):
     return lib
 
 
-def _cpu_has(flag: str) -> bool:
-    with open("/proc/cpuinfo") as f:
-        return any(line.startswith("flags") and flag in line.split() for line in f)
-
-
 # The kernels' code paths: what -march=native picks here, and every narrower one this machine
 # can run (the AVX2 code on an AVX-512 machine, the plain loops everywhere).
 _NARROWER = {"avx2": ("-mno-avx512f",), "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
@@ -51,7 +46,7 @@ _NARROWER = {"avx2": ("-mno-avx512f",), "scalar": ("-mno-avx512f", "-mno-avx2", 
 def kernel_paths(request, tmp_path_factory, kernels):
     if request.param == "native":
         return kernels
-    if request.param == "avx2" and not (_cpu_has("avx512f") and _cpu_has("avx2")):
+    if request.param == "avx2" and not {"avx512f", "avx2"} <= cpu_kernels.cpu_flags():
         return kernels  # native is the AVX2 (or the only) code here: nothing narrower to add
     lib = cpu_kernels.build(str(tmp_path_factory.mktemp("kernels")), _NARROWER[request.param])
     assert lib is not None, f"the {request.param} kernels did not compile"

@@ -54,7 +54,7 @@ def load(cache_dir: str | None = None) -> ctypes.CDLL | None:
     """The compiled kernel library (built on first use, then cached), or None."""
     with _lock:
         if "lib" not in _loaded:
-            _loaded["lib"] = _build_and_load(cache_dir)
+            _loaded["lib"] = build(cache_dir)
             _loaded["ops"] = None if _loaded["lib"] is None else FusedOps(_loaded["lib"])
         return _loaded["lib"]
 
@@ -65,18 +65,15 @@ def fused_ops() -> FusedOps | None:
 
 
 def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """A separate copy of the library compiled with ``extra_flags`` added (e.g. ``-mno-avx512f``
-    for the AVX2 code on an AVX-512 machine), or None; ``load()``'s library is unaffected."""
-    return _build_and_load(cache_dir, extra_flags)
-
-
-def _build_and_load(cache_dir: str | None, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The library compiled (or found cached) and loaded, or None. ``load()`` keeps one for the
+    process; a call with ``extra_flags`` (e.g. ``-mno-avx512f`` for the AVX2 code on an AVX-512
+    machine) gives a separate copy and leaves that one alone."""
     if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
         return None
     torch_dir = Path(torch.__file__).parent
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    cmd_tail = [*extra_flags, f"-I{torch_dir / 'include'}", abi, f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
-                f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    cmd_tail = [*extra_flags, f"-I{torch_dir / 'include'}", abi, f"-L{torch_dir / 'lib'}", "-lc10",
+                "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
     texts = [src.read_text() for src in _SOURCES + _HEADERS]
     key = hashlib.sha256("\0".join([*texts, *_FLAGS, *cmd_tail, torch.__version__, _cpu_id()])
                          .encode()).hexdigest()[:16]
@@ -110,6 +107,11 @@ def _compile(path: Path, cmd_tail: list[str]) -> None:
         subprocess.run(["g++", *_FLAGS, *map(str, _SOURCES), "-o", str(out), *cmd_tail],
                        check=True, capture_output=True, timeout=120)
         os.replace(out, path)  # atomic: concurrent engines never load a half-written file
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``), e.g. ``{"avx2", "avx512f", ...}``."""
+    return set(_cpu_id().split())
 
 
 def _cpu_id() -> str:

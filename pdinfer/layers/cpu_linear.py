@@ -10,9 +10,10 @@ Weights that came from a GGUF file as Q4_0/Q4_1/Q8_0 blocks also keep those bloc
 (``QuantWeight``): up to ``QUANT_TILED_MAX_ROWS`` rows ``pd_quant_gemm`` reads them instead of
 the floats, streaming the blocks past the input rows up to ``QUANT_MAX_ROWS`` rows and above
 that de-quantizing a tile of weight rows at a time into a cache-resident buffer for a register
-kernel (8 x 32 with AVX-512, 6 x 16 with AVX2). The de-quantized values are bit-identical to the float weights (checked
-when the blocks are attached), so the result differs from the float path only in the order of
-the sums; a batch-1 step reads ~115 MB instead of 538 MB for SmolLM2-135M.
+kernel (8 x 32 with AVX-512, 6 x 16 with AVX2). The de-quantized values are bit-identical to
+the float weights (checked when the blocks are attached), so the result differs from the float
+path only in the order of the sums; a batch-1 step reads ~115 MB instead of 538 MB for
+SmolLM2-135M.
 """
 
 from __future__ import annotations
