@@ -1,7 +1,7 @@
 """The CPU attention paths and native kernels against plain torch references.
 
-Decode attention over the paged KV cache (native kernel and the pure-torch fallback) is compared
-with ``scaled_dot_product_attention`` over each sequence's contiguous K/V; the small GEMM and
+Prefill and decode attention over the paged KV cache (native kernels and the pure-torch
+fallback) are compared with ``scaled_dot_product_attention`` over each sequence's contiguous K/V; the small GEMM and
 the fused RMSNorm / rotary / SiLU-and-mul with the torch expressions they replace; the
 block-quantized GEMMs with gguf's own quantizer and de-quantizer as the reference.
 """
@@ -105,6 +105,61 @@ def test_native_decode_matches_sdpa(kernel_paths, head_dim, group, lengths):
 def test_torch_decode_fallback_matches_sdpa(lengths):
     kv, layer, q, inp, ref = _decode_case(64, 3, lengths, seed=1)
     out = _run_decode(kv, layer, q, inp, None)  # grouped, padded, masked torch path
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def _prefill_case(head_dim: int, group: int, query_lens: list[int], context_lens: list[int], seed: int = 0):
+    """A prefill step: random cached prefixes (context - query tokens), new tokens' Q/K/V, and the
+    SDPA reference (each query at its position, causal over prefix + new tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BLOCK) for n in context_lens) + 3
+    kv = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, head_dim, generator=gen)
+    free = list(range(1, num_blocks))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in context_lens]
+    heads, tokens = KV_HEADS * group, sum(query_lens)
+    wide = torch.randn(tokens, heads + 2 * KV_HEADS, head_dim, generator=gen)  # a fused QKV output
+    q, k_new, v_new = wide.split([heads, KV_HEADS, KV_HEADS], dim=1)
+    layer, start, ref = 2, 0, []
+    for qlen, ctx, table in zip(query_lens, context_lens, tables):
+        cached = kv[table, layer].transpose(0, 1).reshape(2, -1, KV_HEADS, head_dim)[:, : ctx - qlen]
+        k = torch.cat([cached[0], k_new[start : start + qlen]]).transpose(0, 1)[None]
+        v = torch.cat([cached[1], v_new[start : start + qlen]]).transpose(0, 1)[None]
+        mask = torch.arange(ctx)[None] <= torch.arange(ctx - qlen, ctx)[:, None]
+        out = F.scaled_dot_product_attention(q[start : start + qlen].transpose(0, 1)[None], k, v,
+                                             attn_mask=mask, enable_gqa=group > 1)
+        ref.append(out[0].transpose(0, 1))
+        start += qlen
+    positions = [p for qlen, ctx in zip(query_lens, context_lens) for p in range(ctx - qlen, ctx)]
+    inp = StepInput(step_id=0, is_prompt=True, input_ids=[0] * tokens, positions=positions,
+                    query_lens=list(query_lens), context_lens=list(context_lens), block_tables=tables)
+    backend = TorchPagedAttention(heads, KV_HEADS, head_dim, head_dim**-0.5)
+    return kv, layer, backend, (q, k_new, v_new), inp, torch.cat(ref)
+
+
+# Prompts without a prefix; a prefix-cache hit (ending mid-block) and chunks of longer prompts
+# beside a fresh one; a long prompt split across threads; a head_dim that is not a multiple of
+# the register tile (80) and a group of 8 query heads per KV head.
+_PREFILL_CASES = [
+    (64, 3, [5, 33, 1, 70], [5, 33, 1, 70]),
+    (64, 3, [7, 16, 40], [30, 80, 40]),
+    (64, 3, [700], [700]),
+    (80, 1, [19, 3], [19, 42]),
+    (16, 8, [21], [45]),
+]
+
+
+@pytest.mark.parametrize("head_dim,group,query_lens,context_lens", _PREFILL_CASES)
+def test_native_prefill_matches_sdpa(kernel_paths, head_dim, group, query_lens, context_lens):
+    kv, layer, backend, (q, k, v), inp, ref = _prefill_case(head_dim, group, query_lens, context_lens)
+    out = backend.forward(q, k, v, kv[:, layer], build_attention_metadata(inp, kv, kernel_paths))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim,group,query_lens,context_lens", _PREFILL_CASES[:2])
+def test_torch_prefill_fallback_matches_sdpa(head_dim, group, query_lens, context_lens):
+    kv, layer, backend, (q, k, v), inp, ref = _prefill_case(head_dim, group, query_lens, context_lens, seed=1)
+    out = backend.forward(q, k, v, kv[:, layer], build_attention_metadata(inp, kv, None))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -3,6 +3,10 @@
 - ``pd_paged_decode``: decode attention straight from the paged KV blocks. Plain torch must
   first gather each sequence's blocks into a padded buffer (a write and a second read of the
   whole context, every layer); this reads K and V once.
+- ``pd_prefill_attention``: causal prefill attention of a whole step (every sequence, with or
+  without a cached prefix) through the block tables, on the same FMA register tile as the
+  quantized GEMM (Q K^T, exact softmax, P V): ~2-3x torch's CPU SDPA for the 30-500-token
+  prompts of the offline benchmark, where SDPA reaches 50-70 GFLOP/s.
 - ``pd_small_gemm``: a decode step of a few sequences is a matrix-vector product per weight,
   bound by how fast the weights stream from memory; eight weight rows at a time, with the few
   input rows in L1, it streams them ~1.5x faster than oneDNN/MKL here.
@@ -41,7 +45,7 @@ logger = logging.getLogger("pdinfer")
 
 # The C++ sources, compiled together into one library, and the header they share.
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "quant_gemm.cpp")]
-_HEADERS = [Path(__file__).parent / "csrc" / "simd.h"]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile.h")]
 
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17",
           "-shared", "-fPIC"]
@@ -86,6 +90,8 @@ def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ct
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         for name, argtypes in [
             ("pd_paged_decode", [ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, f32]),
+            ("pd_prefill_attention", [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64,
+                                      i64, i64, f32]),
             ("pd_small_gemm", [ptr, ptr, ptr, ptr, i64, i64, i64]),
             ("pd_quant_gemm", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]),
             ("pd_rms_norm", [ptr, i64, ptr, ptr, i64, i64, f32]),
@@ -137,6 +143,23 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor,
     lib.pd_paged_decode(layer_cache.data_ptr(), q.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
                         context_lens.data_ptr(), batch, block_tables.shape[1], strides.data_ptr(),
                         kv_heads, heads // kv_heads, dim, q.stride(0), scale)
+    return out
+
+
+def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
+                      context_lens: torch.Tensor, strides: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prefill step's queries q [T, H, D] (rows may be strided) over each
+    sequence's context in the cache, its new K/V already written -> out [T, H, D]."""
+    tokens, heads, dim = q.shape
+    kv_heads = layer_cache.shape[3]
+    if q.stride(2) != 1 or q.stride(1) != dim:
+        q = q.contiguous()
+    out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
+    lib.pd_prefill_attention(layer_cache.data_ptr(), strides.data_ptr(), q.data_ptr(), q.stride(0),
+                             out.data_ptr(), out.stride(0), block_tables.data_ptr(),
+                             query_starts.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(),
+                             len(query_lens), block_tables.shape[1], heads, kv_heads, dim, scale)
     return out
 
 

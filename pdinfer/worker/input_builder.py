@@ -8,7 +8,7 @@ from pdinfer.layers import cpu_kernels
 from pdinfer.layers.attention.metadata import (
     AttentionMetadata,
     DecodeGroup,
-    DecodeKernelInput,
+    NativeKernelInput,
     PrefillSeq,
 )
 from pdinfer.worker.sampler import SamplingTensors
@@ -23,9 +23,9 @@ DECODE_GROUP_MAX_BYTES = 16 << 20
 
 
 def build_attention_metadata(inp: StepInput, kv_cache: torch.Tensor,
-                             decode_kernel=None) -> AttentionMetadata:
+                             native_kernels=None) -> AttentionMetadata:
     """Metadata of the torch backend for the cache ``[blocks, layers, 2, block_size, KVH, D]``;
-    decode steps use ``decode_kernel`` (``cpu_kernels.load()``) when given."""
+    attention runs in ``native_kernels`` (``cpu_kernels.load()``) when given."""
     _, num_layers, _, block_size, kv_heads, head_dim = kv_cache.shape
     rows_per_block = 2 * num_layers  # block rows from one block of a layer to the next block
     device = kv_cache.device
@@ -39,7 +39,9 @@ def build_attention_metadata(inp: StepInput, kv_cache: torch.Tensor,
         block_size=block_size,
         num_tokens=inp.num_tokens,
     )
-    if inp.is_prompt:
+    if native_kernels is not None:
+        meta.native = _native_input(inp, block_size, kv_cache, native_kernels)
+    elif inp.is_prompt:
         start = 0
         for qlen, ctx, table in zip(inp.query_lens, inp.context_lens, inp.block_tables):
             seq = PrefillSeq(query_start=start, query_len=qlen, context_len=ctx)
@@ -48,8 +50,6 @@ def build_attention_metadata(inp: StepInput, kv_cache: torch.Tensor,
                 seq.kv_rows = torch.cat([blocks * rows_per_block, blocks * rows_per_block + 1])
             meta.prefill_seqs.append(seq)
             start += qlen
-    elif decode_kernel is not None:
-        meta.decode_kernel = _decode_kernel_input(inp, block_size, kv_cache, decode_kernel)
     else:
         token_bytes = 2 * kv_heads * head_dim * kv_cache.element_size()
         max_tokens = max(block_size, DECODE_GROUP_MAX_BYTES // token_bytes)
@@ -63,18 +63,24 @@ def build_attention_metadata(inp: StepInput, kv_cache: torch.Tensor,
     return meta
 
 
-def _decode_kernel_input(inp: StepInput, block_size: int, kv_cache: torch.Tensor,
-                         kernel) -> DecodeKernelInput:
+def _native_input(inp: StepInput, block_size: int, kv_cache: torch.Tensor, kernel) -> NativeKernelInput:
     max_blocks = -(-max(inp.context_lens) // block_size)
     tables = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks]))
               for table in inp.block_tables]
     device = kv_cache.device
-    return DecodeKernelInput(
+    native = NativeKernelInput(
         kernel=kernel,
         block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
         context_lens=torch.tensor(inp.context_lens, dtype=torch.int64, device=device),
         kv_strides=cpu_kernels.kv_strides(kv_cache[:, 0]),
     )
+    if inp.is_prompt:
+        starts = [0]
+        for qlen in inp.query_lens[:-1]:
+            starts.append(starts[-1] + qlen)
+        native.query_starts = torch.tensor(starts, dtype=torch.int64, device=device)
+        native.query_lens = torch.tensor(inp.query_lens, dtype=torch.int64, device=device)
+    return native
 
 
 def _decode_groups(context_lens: list[int], max_tokens: int) -> list[list[int]]:

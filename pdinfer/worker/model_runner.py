@@ -41,14 +41,14 @@ class ModelRunner:
         self.device = device
         self.engine_type = engine_type
         self.model = build_model(spec, folder, load_format, dtype, device, seed)
-        self.decode_kernel = None
+        self.native_kernels = None
         if device.type == "cpu" and dtype == torch.float32:
-            # Native kernels (None: plain torch), then oneDNN-packed linears (faster than F.linear),
+            # Native kernels (None: plain torch) for attention and small linears, then oneDNN-packed linears (faster than F.linear),
             # which also read a GGUF model's quantized blocks in small decode steps.
-            self.decode_kernel = cpu_kernels.load(env.get("PDINFER_CACHE_DIR"))
-            use_blocks = (self.decode_kernel is not None and load_format != "dummy"
+            self.native_kernels = cpu_kernels.load(env.get("PDINFER_CACHE_DIR"))
+            use_blocks = (self.native_kernels is not None and load_format != "dummy"
                           and env.get("PDINFER_CPU_QUANT_GEMM"))
-            pack_linears(self.model, self.decode_kernel, load_quantized_blocks(folder) if use_blocks else None)
+            pack_linears(self.model, self.native_kernels, load_quantized_blocks(folder) if use_blocks else None)
         self.sampler = Sampler()
         self.cache: CacheEngine | None = None
         # Sampled tokens of the last few steps, on the device, by step id (zero-overhead
@@ -137,7 +137,7 @@ class ModelRunner:
 
     def _forward(self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits of the rows ``inp.samples`` name, in their order."""
-        meta = build_attention_metadata(inp, self.cache.kv, self.decode_kernel)
+        meta = build_attention_metadata(inp, self.cache.kv, self.native_kernels)
         sample_rows = [s.row for s in inp.samples]
         if sample_rows == list(range(inp.num_tokens)):  # a decode step: every row is sampled
             hidden = self.model(input_ids, positions, self.cache.kv, meta)

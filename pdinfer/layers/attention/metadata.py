@@ -35,13 +35,16 @@ class DecodeGroup:
 
 
 @dataclass
-class DecodeKernelInput:
-    """Decode through the native kernel (``cpu_kernels``): no groups, no padding, no gather."""
+class NativeKernelInput:
+    """Attention through the native kernels (``cpu_kernels``), prefill or decode: straight from
+    the block tables, no groups, no padding, no gather."""
 
     kernel: Any  # the loaded library
     block_tables: torch.Tensor  # [B, max_blocks] int64
     context_lens: torch.Tensor  # [B] int64
     kv_strides: torch.Tensor  # see ``cpu_kernels.kv_strides``
+    query_starts: torch.Tensor | None = None  # [B] int64, prefill only: first query row, ...
+    query_lens: torch.Tensor | None = None  # ... and query rows of each sequence
 
 
 @dataclass
@@ -51,5 +54,5 @@ class AttentionMetadata:
     block_size: int
     prefill_seqs: list[PrefillSeq] = field(default_factory=list)
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # the torch decode path
-    decode_kernel: DecodeKernelInput | None = None  # or the native one
+    native: NativeKernelInput | None = None  # the native kernels instead of the above
     num_tokens: int = 0

@@ -43,15 +43,19 @@ class TorchPagedAttention:
         tokens = _row_view(layer_cache, self.num_kv_heads * self.head_dim)
         tokens.index_copy_(0, meta.slot_rows, k.reshape(k.shape[0], -1))
         tokens.index_copy_(0, meta.slot_rows + meta.block_size, v.reshape(v.shape[0], -1))
+        if (native := meta.native) is not None:
+            if meta.is_prompt:
+                return cpu_kernels.prefill_attention(native.kernel, q, layer_cache, native.block_tables,
+                                                     native.query_starts, native.query_lens,
+                                                     native.context_lens, native.kv_strides, self.scale)
+            return cpu_kernels.paged_decode(native.kernel, q, layer_cache, native.block_tables,
+                                            native.context_lens, native.kv_strides, self.scale)
         if meta.is_prompt:
             out = torch.empty_like(q)
             for seq in meta.prefill_seqs:
                 rows = slice(seq.query_start, seq.query_start + seq.query_len)
                 out[rows] = self._prefill(q[rows], k[rows], v[rows], layer_cache, seq, meta.block_size)
             return out
-        if (native := meta.decode_kernel) is not None:
-            return cpu_kernels.paged_decode(native.kernel, q, layer_cache, native.block_tables,
-                                            native.context_lens, native.kv_strides, self.scale)
         blocks = _row_view(layer_cache, meta.block_size * self.num_kv_heads * self.head_dim)
         groups = meta.decode_groups
         if len(groups) == 1 and groups[0].rows is None:

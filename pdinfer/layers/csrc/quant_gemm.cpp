@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <vector>
-#include "simd.h"
+#include "tile.h"
 
 // Block-quantized weights (GGUF's Q4_0/Q4_1/Q8_0, see cpu_linear.py), 32 weights a block:
 //   q4: w = d * q + mn, q in [0, 16): element j < 16 in the low nibble of qs[j], j + 16 in its
@@ -131,16 +131,6 @@ static void dequant_rows(const uint8_t* __restrict qs, const float* __restrict d
   }
 }
 
-// The tiled GEMM's register tile: TILE weight rows (output columns) by MR input rows. With
-// AVX-512 (32 vector registers), 32 columns in two registers by 8 rows (16 accumulators); with
-// AVX2 (16 registers), 16 columns in two registers by 6 rows (BLIS's 6x16).
-#if defined(__AVX512F__)
-constexpr int64_t TILE = 32;
-constexpr int MR = 8;
-#else
-constexpr int64_t TILE = 16;
-constexpr int MR = 6;
-#endif
 // Input positions per pass over the rows: the tile's slice (KC x TILE floats) stays in L1.
 constexpr int64_t KC = 256;
 
@@ -182,48 +172,6 @@ static void pack_tile(const uint8_t* qs, const float* d, const float* mn, int64_
 #endif
 }
 
-// out[i][0:TILE] (+)= x[i][0:kc] . buf[0:kc] for R <= MR input rows (row stride ldx): one
-// broadcast of x[i][c] per row and position, one FMA per vector of the row's accumulators.
-// `first`: start from zero, else add to what out holds (a later slice of the input positions).
-template <int R>
-static inline void tile_kernel(const float* __restrict x, int64_t ldx, int64_t kc,
-                               const float* __restrict buf, float* __restrict out, bool first) {
-#if PD_SIMD
-  using vec = Simd::V;
-  constexpr int W = Simd::W;
-  constexpr int NV = TILE / W;
-  vec acc[R][NV];
-  for (int i = 0; i < R; i++)
-    for (int v = 0; v < NV; v++) acc[i][v] = first ? Simd::zero() : Simd::load(out + i * TILE + W * v);
-  for (int64_t c = 0; c < kc; c++) {
-    vec w[NV];
-    for (int v = 0; v < NV; v++) w[v] = Simd::load(buf + c * TILE + W * v);
-    for (int i = 0; i < R; i++) {
-      const vec xb = Simd::set1(x[i * ldx + c]);
-      for (int v = 0; v < NV; v++) acc[i][v] = Simd::fma(xb, w[v], acc[i][v]);
-    }
-  }
-  for (int i = 0; i < R; i++)
-    for (int v = 0; v < NV; v++) Simd::store(out + i * TILE + W * v, acc[i][v]);
-#else
-  for (int i = 0; i < R; i++)
-    for (int64_t q = 0; q < TILE; q++) {
-      float a = first ? 0.f : out[i * TILE + q];
-      for (int64_t c = 0; c < kc; c++) a += x[i * ldx + c] * buf[c * TILE + q];
-      out[i * TILE + q] = a;
-    }
-#endif
-}
-
-// tile_kernel<rows> for 1 <= rows <= R.
-template <int R>
-static inline void tile_rows(int64_t rows, const float* x, int64_t ldx, int64_t kc, const float* buf,
-                             float* out, bool first) {
-  if constexpr (R > 1)
-    if (rows < R) return tile_rows<R - 1>(rows, x, ldx, kc, buf, out, first);
-  tile_kernel<R>(x, ldx, kc, buf, out, first);
-}
-
 // Many input rows (a decode step of a large batch): each thread de-quantizes a tile of TILE
 // weight rows once (about 1/m of the arithmetic) and multiplies every input row with it, KC
 // input positions at a time so the tile's slice stays in L1 while all rows pass.
@@ -239,7 +187,7 @@ static void qgemm_tiled(const float* x, const uint8_t* qs, const float* d, const
         const int64_t kc = std::min(KC, k - c0);
         for (int64_t i = 0; i < m; i += MR)
           tile_rows<MR>(std::min<int64_t>(MR, m - i), x + i * k + c0, k, kc, buf.data() + c0 * TILE,
-                        out.data() + i * TILE, c0 == 0);
+                        TILE, out.data() + i * TILE, TILE, c0 == 0);
       }
       for (int64_t i = 0; i < m; i++)
         for (int64_t q = 0; q < nr; q++) y[i * n + r0 + q] = out[i * TILE + q] + (bias ? bias[r0 + q] : 0.f);
