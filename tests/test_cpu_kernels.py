@@ -212,7 +212,9 @@ def test_quantized_gemm_matches_linear_on_dequantized_weights(kernel_paths, gguf
     torch.testing.assert_close(quant.linear(kernels, x, bias), ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(quant.linear(kernels, x, None), F.linear(x.double(), weight.double()).float(),
                                rtol=1e-5, atol=1e-4)
-    # The packed layer takes the quantized paths up to QUANT_TILED_MAX_ROWS rows, oneDNN above.
+    # The packed layer takes the quantized paths up to max_rows rows (Q4: the tiled GEMM's
+    # QUANT_TILED_MAX_ROWS; Q8: the row-streaming one's QUANT_MAX_ROWS), oneDNN above.
+    assert quant.max_rows == (QUANT_MAX_ROWS if gguf_type == "Q8_0" else QUANT_TILED_MAX_ROWS)
     layer = PackedLinear(torch.nn.Parameter(weight), torch.nn.Parameter(bias), kernels, quant)
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-4)
     more = torch.randn(QUANT_TILED_MAX_ROWS + 1, weight.shape[1], generator=gen)

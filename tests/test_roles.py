@@ -4,6 +4,7 @@ and the in-process shape of a P/D hand-off. Model output is checked against tran
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -216,6 +217,48 @@ def test_hook_order_with_zero_overhead_scheduling(monkeypatch):
     assert steps[0] == ["post_schedule", "launch", "pe_prepare_save_kvcache"]
     assert steps[1] == ["post_schedule", "should_copy_state", "launch", "do_save_kvcache",
                         "post_process", "pe_do_save_kvcache"]
+
+
+class OverlapProbe(LLMEngine):
+    """Records, at the start of each forward, whether the previous step's post_process has run
+    by then; waits for it a while first (it runs on the helper thread meanwhile)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.processed: set[int] = set()
+        self.saw_previous: list[bool] = []
+        self._cond = threading.Condition()
+        execute, last = self.model_runner.execute, []
+
+        def probed_execute(inp):
+            if last and all(self.saw_previous):
+                with self._cond:  # host work that waits for this forward would never come
+                    self.saw_previous.append(self._cond.wait_for(lambda: last[-1] in self.processed, 30))
+            last.append(inp.step_id)
+            return execute(inp)
+
+        self.model_runner.execute = probed_execute
+
+    def post_process(self, inflight, result):
+        outputs = super().post_process(inflight, result)
+        with self._cond:
+            self.processed.add(inflight.inp.step_id)
+            self._cond.notify_all()
+        return outputs
+
+
+def test_cpu_zero_overhead_scheduling_processes_step_n_during_step_n_plus_1(monkeypatch, reference):
+    monkeypatch.setenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", "1")
+    e = engine(cls=OverlapProbe)
+    assert e.executor.forward_on_caller  # the CPU flavour: the forward runs on this thread
+    ids = [5, 6, 7, 8, 9]
+    e.add_request("r", {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    outputs = run_all(e)
+    # The helper thread processed each step while the next forward was running (before the fix
+    # it waited for the step lock, so processing ran after that forward, never beside it).
+    assert len(e.saw_previous) == 5 and all(e.saw_previous)
+    assert outputs["r"].outputs[0].token_ids == reference(ids, 6)
+    assert_blocks_back(e)
 
 
 # --- fork_seq, n > 1 and the P/D shape --------------------------------------------------------------

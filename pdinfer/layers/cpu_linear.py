@@ -7,7 +7,7 @@ and 1.2x at 1024 rows; the tied 49k-row vocabulary projection gains the most. Fo
 faster still. Only float32 on CPU is packed; anything else keeps ``nn.Linear``.
 
 Weights that came from a GGUF file as Q4_0/Q4_1/Q8_0 blocks also keep those blocks
-(``QuantWeight``): up to ``QUANT_TILED_MAX_ROWS`` rows ``pd_quant_gemm`` reads them instead of
+(``QuantWeight``): up to ``QuantWeight.max_rows`` rows ``pd_quant_gemm`` reads them instead of
 the floats, streaming the blocks past the input rows up to ``QUANT_MAX_ROWS`` rows and above
 that de-quantizing a tile of weight rows at a time into a cache-resident buffer for a register
 kernel (8 x 32 with AVX-512, 6 x 16 with AVX2). The de-quantized values are bit-identical to
@@ -36,7 +36,10 @@ SMALL_GEMM_MAX_ROWS = 4
 # row-streaming GEMM up to 8 rows (21 ms at 4 rows, 36 at 8; oneDNN on the floats 73, 83),
 # then the tiled one up to 128 (at 16/64/128 rows 72/193/336 ms; oneDNN 94/219/355). On a
 # 2-core AVX-512 machine the tiled one at 64 rows: 68-73 ms with the 8 x 32 kernel (AVX2's
-# 6 x 16 there: 120), oneDNN 74-80.
+# 6 x 16 there: 120), oneDNN 74-80. Q8_0 blocks (SmolLM2's vocabulary projection) cost more
+# to de-quantize and save less: there oneDNN on the floats wins at every tiled size (AVX-512
+# machine, 16/32/64/128 rows: 7.4/9.9/15.5/27.0 ms vs 9.4/12.1/18.3/32.9), so Q8_0 weights stop
+# at the row-streaming GEMM.
 QUANT_MAX_ROWS = 8
 QUANT_TILED_MAX_ROWS = 128
 # Bytes per 32-weight block: a float16 scale (Q4_1: and a float16 minimum) and the quants.
@@ -100,6 +103,11 @@ class QuantWeight:
         return bool(torch.equal(self.dequantize(head), weight[head])
                     and torch.equal(self.dequantize(tail), weight[tail]))
 
+    @property
+    def max_rows(self) -> int:
+        """The most input rows for which ``linear`` beats oneDNN on the float weights."""
+        return QUANT_TILED_MAX_ROWS if self.kind == "q4" else QUANT_MAX_ROWS
+
     def linear(self, lib, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, dequantize(), bias)``: row-streaming up to ``QUANT_MAX_ROWS`` rows of
         ``x``, tiled above (callers send at most ``QUANT_TILED_MAX_ROWS``)."""
@@ -138,7 +146,7 @@ class PackedLinear(nn.Module):
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None and x.shape[0] <= QUANT_TILED_MAX_ROWS:
+        if self.quant is not None and x.shape[0] <= self.quant.max_rows:
             return self.quant.linear(self.kernels, x, self.bias)
         if self.kernels is not None and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
             return cpu_kernels.small_linear(self.kernels, x, self.weight, self.bias)

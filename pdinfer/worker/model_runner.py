@@ -224,6 +224,8 @@ class _CallerStep(Future):
         self._executor, self._inp = executor, inp
 
     def run(self) -> None:
+        if self.done():  # without the lock: the helper must not wait for the step running now
+            return
         with self._executor._lock:  # steps and step-ordered calls never interleave
             if self.done():
                 return
