@@ -92,6 +92,7 @@ def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ct
             ("pd_paged_decode", [ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, f32]),
             ("pd_prefill_attention", [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64,
                                       i64, i64, f32]),
+            ("pd_write_kv", [ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64]),
             ("pd_small_gemm", [ptr, ptr, ptr, ptr, i64, i64, i64]),
             ("pd_quant_gemm", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]),
             ("pd_rms_norm", [ptr, i64, ptr, ptr, i64, i64, f32]),
@@ -144,6 +145,19 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor,
                         context_lens.data_ptr(), batch, block_tables.shape[1], strides.data_ptr(),
                         kv_heads, heads // kv_heads, dim, q.stride(0), scale)
     return out
+
+
+def write_kv(lib: ctypes.CDLL, layer_cache: torch.Tensor, slot_rows: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """``torch_paged``'s two ``index_copy_`` of the new tokens' K/V [T, KVH, D] (rows may be
+    strided) into the layer's cache, in one native call."""
+    row = k.shape[1] * k.shape[2]
+    if k.stride(2) != 1 or k.stride(1) != k.shape[2]:
+        k = k.contiguous()
+    if v.stride(2) != 1 or v.stride(1) != v.shape[2]:
+        v = v.contiguous()
+    lib.pd_write_kv(layer_cache.data_ptr(), slot_rows.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(),
+                    v.stride(0), k.shape[0], row, layer_cache.shape[2])
 
 
 def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor,

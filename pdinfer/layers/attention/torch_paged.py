@@ -40,16 +40,17 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         # K/V of all new tokens are written first, so a sequence in this batch can read blocks
         # another sequence of the same batch is filling (a same-step prefix-cache hit).
-        tokens = _row_view(layer_cache, self.num_kv_heads * self.head_dim)
-        tokens.index_copy_(0, meta.slot_rows, k.reshape(k.shape[0], -1))
-        tokens.index_copy_(0, meta.slot_rows + meta.block_size, v.reshape(v.shape[0], -1))
         if (native := meta.native) is not None:
+            cpu_kernels.write_kv(native.kernel, layer_cache, meta.slot_rows, k, v)
             if meta.is_prompt:
                 return cpu_kernels.prefill_attention(native.kernel, q, layer_cache, native.block_tables,
                                                      native.query_starts, native.query_lens,
                                                      native.context_lens, native.kv_strides, self.scale)
             return cpu_kernels.paged_decode(native.kernel, q, layer_cache, native.block_tables,
                                             native.context_lens, native.kv_strides, self.scale)
+        tokens = _row_view(layer_cache, self.num_kv_heads * self.head_dim)
+        tokens.index_copy_(0, meta.slot_rows, k.reshape(k.shape[0], -1))
+        tokens.index_copy_(0, meta.slot_rows + meta.block_size, v.reshape(v.shape[0], -1))
         if meta.is_prompt:
             out = torch.empty_like(q)
             for seq in meta.prefill_seqs:

@@ -180,6 +180,21 @@ extern "C" void pd_paged_decode(const float* kv, const float* q, float* out,
   });
 }
 
+// The new tokens' K and V (rows of `row` floats: kv_heads * head_dim, at strides k_stride and
+// v_stride) into the cache: token t's K row at layer + slots[t] * row, its V row block_size rows
+// further (the layout of torch_paged's row views).
+extern "C" void pd_write_kv(float* layer, const int64_t* slots, const float* k, int64_t k_stride,
+                            const float* v, int64_t v_stride, int64_t tokens, int64_t row,
+                            int64_t block_size) {
+  at::parallel_for(0, tokens, std::max<int64_t>(1, kSerialElems / row), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      float* dst = layer + slots[t] * row;
+      std::memcpy(dst, k + t * k_stride, sizeof(float) * row);
+      std::memcpy(dst + block_size * row, v + t * v_stride, sizeof(float) * row);
+    }
+  });
+}
+
 // Prefill attention, causal, for every sequence of a step at once, reading K/V through the block
 // tables (so a cached prefix and a chunk already written to the cache are read alike).
 // Phase 1 packs each (sequence, KV head) into panels of TILE columns: K transposed, TILE keys
