@@ -1,5 +1,6 @@
 """Small native CPU kernels (float32), each with a plain-torch fallback.
 
+- ``pd_write_kv``: the new tokens' K/V into the cache, one call instead of two ``index_copy_``.
 - ``pd_paged_decode``: decode attention straight from the paged KV blocks. Plain torch must
   first gather each sequence's blocks into a padded buffer (a write and a second read of the
   whole context, every layer); this reads K and V once.
@@ -19,8 +20,8 @@
   torch ops (``FusedOps``, the CPU twin of ``triton_ops``); they matter at small batches, where
   per-op overhead rivals the arithmetic.
 
-~550 lines of C++ (AVX-512 or AVX2 through one small wrapper, ``csrc/simd.h``, plain loops
-otherwise; ``-march=native`` picks), compiled with the system ``g++`` against ATen's threading
+~750 lines of C++ (AVX-512 or AVX2 through one small wrapper, ``csrc/simd.h``, and one FMA
+register tile, ``csrc/tile.h``; plain loops otherwise; ``-march=native`` picks), compiled with the system ``g++`` against ATen's threading
 header only (``at::parallel_for`` shares torch's OpenMP pool), in a few seconds, once per
 machine: the library is cached under ``PDINFER_CACHE_DIR`` keyed by source, flags, torch
 version and CPU flags, and loaded with ``ctypes``. Without a compiler, or when building or
