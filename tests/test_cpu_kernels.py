@@ -53,14 +53,20 @@ def kernel_paths(request, tmp_path_factory, kernels):
     return lib
 
 
-def _decode_case(head_dim: int, group: int, lengths: list[int], seed: int = 0):
-    """A random KV cache, shuffled block tables, queries, and the SDPA reference output."""
+def _random_cache(head_dim: int, lengths: list[int], seed: int):
+    """A random KV cache and shuffled block tables for sequences of ``lengths`` tokens, and the
+    generator that made them (for the caller's next random tensors)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // BLOCK) for n in lengths) + 3
     kv = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, head_dim, generator=gen)
     free = list(range(1, num_blocks))
     random.Random(seed).shuffle(free)
-    tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in lengths]
+    return kv, [[free.pop() for _ in range(-(-n // BLOCK))] for n in lengths], gen
+
+
+def _decode_case(head_dim: int, group: int, lengths: list[int], seed: int = 0):
+    """A random KV cache, shuffled block tables, queries, and the SDPA reference output."""
+    kv, tables, gen = _random_cache(head_dim, lengths, seed)
     heads = KV_HEADS * group
     wide = torch.randn(len(lengths), heads + 4, head_dim, generator=gen)
     q = wide[:, :heads]  # strided rows, as a slice of a fused projection
@@ -111,12 +117,7 @@ def test_torch_decode_fallback_matches_sdpa(lengths):
 def _prefill_case(head_dim: int, group: int, query_lens: list[int], context_lens: list[int], seed: int = 0):
     """A prefill step: random cached prefixes (context - query tokens), new tokens' Q/K/V, and the
     SDPA reference (each query at its position, causal over prefix + new tokens)."""
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // BLOCK) for n in context_lens) + 3
-    kv = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, head_dim, generator=gen)
-    free = list(range(1, num_blocks))
-    random.Random(seed).shuffle(free)
-    tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in context_lens]
+    kv, tables, gen = _random_cache(head_dim, context_lens, seed)
     heads, tokens = KV_HEADS * group, sum(query_lens)
     wide = torch.randn(tokens, heads + 2 * KV_HEADS, head_dim, generator=gen)  # a fused QKV output
     q, k_new, v_new = wide.split([heads, KV_HEADS, KV_HEADS], dim=1)
