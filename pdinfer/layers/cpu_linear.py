@@ -12,7 +12,8 @@ the floats, streaming the blocks past the input rows up to ``QUANT_MAX_ROWS`` ro
 that de-quantizing a tile of weight rows at a time into a cache-resident buffer for a register
 kernel (8 x 32 with AVX-512, 6 x 16 with AVX2). The de-quantized values are bit-identical to
 the float weights (checked when the blocks are attached), so the result differs from the float
-path only in the order of the sums; a batch-1 step reads ~115 MB instead of 538 MB for
+path only in the rounding of the sums (their order; with AVX-512 and up to 8 rows, each block's
+scale is applied to its sum); a batch-1 step reads ~115 MB instead of 538 MB for
 SmolLM2-135M.
 """
 
