@@ -47,10 +47,22 @@ static inline void dequant_block(const uint8_t* __restrict qr, int64_t b, float 
 }
 #endif
 
-#if defined(__AVX512F__)
 // Weight rows prefetched ahead of the one in use (measured: 4 beats 2 and 8; without prefetch
 // one row's three streams, quants, scales and minimums, run at ~7 GB/s on two cores).
 constexpr int64_t PF_ROWS = 4;
+
+template <bool Q4>
+static inline void prefetch_row(const uint8_t* qs, const float* d, const float* mn, int64_t r,
+                                int64_t r1, int64_t row_bytes, int64_t nb) {
+  if (r + PF_ROWS >= r1) return;
+  for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(qs + (r + PF_ROWS) * row_bytes + o);
+  for (int64_t o = 0; o < nb; o += 16) {
+    __builtin_prefetch(d + (r + PF_ROWS) * nb + o);
+    if constexpr (Q4) __builtin_prefetch(mn + (r + PF_ROWS) * nb + o);
+  }
+}
+
+#if defined(__AVX512F__)
 // With AVX-512 the scale comes out of the block's sum: sum_j (d q_j + mn) x_j = d (sum_j q_j x_j)
 // + mn (sum_j x_j), with each block's input sums (xsum [M][nb]) computed once per call. Per
 // block: two integer-to-float conversions of 16 quants, two FMAs with the input and one with the
@@ -66,13 +78,7 @@ static void qgemm_rows(const float* __restrict x, const uint8_t* __restrict qs,
   for (int64_t r = r0; r < r1; r++) {
     const uint8_t* __restrict qr = qs + r * row_bytes;
     const float* __restrict dr = d + r * nb;
-    if (r + PF_ROWS < r1) {  // the weight rows a few rows ahead: their quants, scales, minimums
-      for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(qr + PF_ROWS * row_bytes + o), _MM_HINT_T0);
-      for (int64_t o = 0; o < nb; o += 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(dr + PF_ROWS * nb + o), _MM_HINT_T0);
-        if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mn + (r + PF_ROWS) * nb + o), _MM_HINT_T0);
-      }
-    }
+    prefetch_row<Q4>(qs, d, mn, r, r1, row_bytes, nb);
     __m512 tot[M];
     for (int i = 0; i < M; i++) tot[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -118,6 +124,7 @@ static void qgemm_rows(const float* __restrict x, const uint8_t* __restrict qs,
     const uint8_t* __restrict qr = qs + r * row_bytes;
     const float* __restrict dr = d + r * nb;
     const float* __restrict mr = Q4 ? mn + r * nb : nullptr;
+    prefetch_row<Q4>(qs, d, mn, r, r1, row_bytes, nb);
     float sums[M];
 #if defined(__AVX2__) && defined(__FMA__)
     constexpr int C = M <= 2 ? 4 : 2;  // independent FMA chains per input row
