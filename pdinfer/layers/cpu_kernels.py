@@ -139,8 +139,7 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor,
     """q [B, H, D] (rows may be strided) -> out [B, H, D]; ``strides`` from ``kv_strides``."""
     batch, heads, dim = q.shape
     kv_heads = layer_cache.shape[3]
-    if q.stride(2) != 1 or q.stride(1) != dim:
-        q = q.contiguous()
+    q = _head_rows(q)
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     lib.pd_paged_decode(layer_cache.data_ptr(), q.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
                         context_lens.data_ptr(), batch, block_tables.shape[1], strides.data_ptr(),
@@ -153,10 +152,7 @@ def write_kv(lib: ctypes.CDLL, layer_cache: torch.Tensor, slot_rows: torch.Tenso
     """``torch_paged``'s two ``index_copy_`` of the new tokens' K/V [T, KVH, D] (rows may be
     strided) into the layer's cache, in one native call."""
     row = k.shape[1] * k.shape[2]
-    if k.stride(2) != 1 or k.stride(1) != k.shape[2]:
-        k = k.contiguous()
-    if v.stride(2) != 1 or v.stride(1) != v.shape[2]:
-        v = v.contiguous()
+    k, v = _head_rows(k), _head_rows(v)
     lib.pd_write_kv(layer_cache.data_ptr(), slot_rows.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(),
                     v.stride(0), k.shape[0], row, layer_cache.shape[2])
 
@@ -168,14 +164,19 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tens
     sequence's context in the cache, its new K/V already written -> out [T, H, D]."""
     tokens, heads, dim = q.shape
     kv_heads = layer_cache.shape[3]
-    if q.stride(2) != 1 or q.stride(1) != dim:
-        q = q.contiguous()
+    q = _head_rows(q)
     out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
     lib.pd_prefill_attention(layer_cache.data_ptr(), strides.data_ptr(), q.data_ptr(), q.stride(0),
                              out.data_ptr(), out.stride(0), block_tables.data_ptr(),
                              query_starts.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(),
                              len(query_lens), block_tables.shape[1], heads, kv_heads, dim, scale)
     return out
+
+
+def _head_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [T, heads, D] with each token's heads side by side (any token stride), as the
+    kernels read it: a view when it already is, else a contiguous copy."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def kv_strides(layer_cache: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from pdinfer.layers import cpu_kernels
@@ -75,9 +77,7 @@ def _native_input(inp: StepInput, block_size: int, kv_cache: torch.Tensor, kerne
         kv_strides=cpu_kernels.kv_strides(kv_cache[:, 0]),
     )
     if inp.is_prompt:
-        starts = [0]
-        for qlen in inp.query_lens[:-1]:
-            starts.append(starts[-1] + qlen)
+        starts = [0, *itertools.accumulate(inp.query_lens[:-1])]
         native.query_starts = torch.tensor(starts, dtype=torch.int64, device=device)
         native.query_lens = torch.tensor(inp.query_lens, dtype=torch.int64, device=device)
     return native

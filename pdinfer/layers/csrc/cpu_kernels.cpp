@@ -44,6 +44,16 @@ static inline float row_max(const float* __restrict x, int64_t n) {
   return m;
 }
 
+// x[0..n) -> exp(x - max x) in place, the softmax's numerators; returns their sum.
+static inline float softmax_numerators(float* __restrict x, int64_t n) {
+  const float m = row_max(x, n);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; t++) { x[t] = exp_nonpositive(x[t] - m); sum += x[t]; }
+  return sum;
+}
+
+static inline int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+
 // One work item is (sequence, KV heads [h0, h0 + nh)): their nh * group query heads against
 // those heads' K/V, block by block; each query head's accumulators stay in registers over a
 // block's tokens (the block's K or V, 16 tokens x nh heads, stays in L1 meanwhile), and the next
@@ -122,10 +132,7 @@ static void decode_item(const float* __restrict kv, const float* __restrict q, f
   }
   for (int64_t r = 0; r < rows; r++) {
     float* __restrict sg = scores + r * len;
-    const float m = row_max(sg, len);
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; t++) { sg[t] = exp_nonpositive(sg[t] - m); sum += sg[t]; }
-    const float inv = 1.f / sum;
+    const float inv = 1.f / softmax_numerators(sg, len);
     for (int64_t t = 0; t < len; t++) sg[t] *= inv;
   }
   std::fill(acc, acc + rows * dim, 0.f);
@@ -232,7 +239,7 @@ static void prefill_item(const float* __restrict q, int64_t q_row, float* __rest
                          int64_t keys_pad, int64_t i0, int64_t n, int64_t offset, int64_t h,
                          int64_t group, int64_t dim, int64_t dpad, float scale, float* __restrict qb,
                          float* __restrict sc, float* __restrict ob, float* __restrict inv) {
-  const int64_t rows = n * group, keys = offset + i0 + n, ld = (keys + TILE - 1) / TILE * TILE;
+  const int64_t rows = n * group, keys = offset + i0 + n, ld = round_up(keys, TILE);
   for (int64_t r = 0; r < rows; r++) {  // row r: position i0 + r / group, head h * group + r % group
     const float* __restrict src = q + (i0 + r / group) * q_row + (h * group + r % group) * dim;
     for (int64_t d = 0; d < dpad; d++) qb[r * dpad + d] = d < dim ? src[d] * scale : 0.f;
@@ -244,11 +251,8 @@ static void prefill_item(const float* __restrict q, int64_t q_row, float* __rest
   for (int64_t r = 0; r < rows; r++) {
     float* __restrict sr = sc + r * ld;
     const int64_t last = offset + i0 + r / group;  // the last key this row sees
-    const float m = row_max(sr, last + 1);
-    float sum = 0.f;
-    for (int64_t t = 0; t <= last; t++) { sr[t] = exp_nonpositive(sr[t] - m); sum += sr[t]; }
+    inv[r] = 1.f / softmax_numerators(sr, last + 1);
     std::fill(sr + last + 1, sr + keys, 0.f);
-    inv[r] = 1.f / sum;
   }
   for (int64_t c0 = 0; c0 < dpad; c0 += TILE)
     for (int64_t k0 = 0; k0 < keys; k0 += KC_KEYS)
@@ -272,11 +276,11 @@ extern "C" void pd_prefill_attention(const float* kv, const int64_t* strides, co
                                      const int64_t* qlens, const int64_t* ctxs, int64_t batch,
                                      int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim,
                                      float scale) {
-  const int64_t group = heads / kv_heads, dpad = (dim + TILE - 1) / TILE * TILE;
+  const int64_t group = heads / kv_heads, dpad = round_up(dim, TILE);
   std::vector<PrefillPack> packs(batch * kv_heads);
   int64_t size = 0, longest = 0;
   for (int64_t i = 0; i < batch * kv_heads; i++) {
-    const int64_t keys = (ctxs[i / kv_heads] + TILE - 1) / TILE * TILE;
+    const int64_t keys = round_up(ctxs[i / kv_heads], TILE);
     packs[i] = {size, size + keys * dpad, keys};
     size += 2 * keys * dpad;
     longest = std::max(longest, keys);

@@ -166,7 +166,12 @@ template <bool Q4>
 static void qgemm(const float* x, const uint8_t* qs, const float* d, const float* mn,
                   const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
   const int64_t nb = k / 32;
-  std::vector<float> xsum(Q4 ? m * nb : 0);  // each block's input sum (the AVX-512 rows' minimum term)
+#if defined(__AVX512F__)
+  constexpr bool kBlockSums = Q4;  // the AVX-512 rows' minimum term reads them
+#else
+  constexpr bool kBlockSums = false;
+#endif
+  std::vector<float> xsum(kBlockSums ? m * nb : 0);  // each block's input sum
   for (int64_t i = 0; i < (int64_t)xsum.size(); i++) {
     float s = 0.f;
     for (int64_t j = 0; j < 32; j++) s += x[(i / nb) * k + (i % nb) * 32 + j];
@@ -175,7 +180,7 @@ static void qgemm(const float* x, const uint8_t* qs, const float* d, const float
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t i0 = 0; i0 < m; i0 += 4) {  // up to four input rows share one weight pass
       const float* xi = x + i0 * k;
-      const float* si = xsum.data() + (Q4 ? i0 * nb : 0);
+      const float* si = xsum.data() + (kBlockSums ? i0 * nb : 0);
       float* yi = y + i0 * n;
       switch (std::min<int64_t>(4, m - i0)) {
         case 1: qgemm_rows<1, Q4>(xi, qs, d, mn, bias, yi, r0, r1, n, k, si); break;
