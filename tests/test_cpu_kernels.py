@@ -200,7 +200,7 @@ def test_gguf_blocks_dequantize_exactly_like_gguf(gguf_type):
 
 
 @pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1, 23, QUANT_TILED_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1, 8, 23, *QUANT_TILED_MAX_ROWS.values()])
 def test_quantized_gemm_matches_linear_on_dequantized_weights(kernel_paths, gguf_type, rows):
     kernels = kernel_paths
     # 75 outputs: a partial last tile; 288 inputs: more than one slice of the tiled loop.
@@ -213,12 +213,12 @@ def test_quantized_gemm_matches_linear_on_dequantized_weights(kernel_paths, gguf
     torch.testing.assert_close(quant.linear(kernels, x, bias), ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(quant.linear(kernels, x, None), F.linear(x.double(), weight.double()).float(),
                                rtol=1e-5, atol=1e-4)
-    # The packed layer takes the quantized paths up to max_rows rows (Q4: the tiled GEMM's
-    # QUANT_TILED_MAX_ROWS; Q8: the row-streaming one's QUANT_MAX_ROWS), oneDNN above.
-    assert quant.max_rows == (QUANT_MAX_ROWS if gguf_type == "Q8_0" else QUANT_TILED_MAX_ROWS)
+    # The packed layer takes the quantized paths up to max_rows rows (the tiled GEMM's limit
+    # for the block kind), oneDNN above.
+    assert quant.max_rows == QUANT_TILED_MAX_ROWS["q8" if gguf_type == "Q8_0" else "q4"]
     layer = PackedLinear(torch.nn.Parameter(weight), torch.nn.Parameter(bias), kernels, quant)
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-4)
-    more = torch.randn(QUANT_TILED_MAX_ROWS + 1, weight.shape[1], generator=gen)
+    more = torch.randn(quant.max_rows + 1, weight.shape[1], generator=gen)
     torch.testing.assert_close(layer(more), F.linear(more, weight, bias), rtol=1e-5, atol=1e-4)
 
 

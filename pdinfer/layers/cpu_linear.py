@@ -8,17 +8,19 @@ faster still. Only float32 on CPU is packed; anything else keeps ``nn.Linear``.
 
 Weights that came from a GGUF file as Q4_0/Q4_1/Q8_0 blocks also keep those blocks
 (``QuantWeight``): up to ``QuantWeight.max_rows`` rows ``pd_quant_gemm`` reads them instead of
-the floats, streaming the blocks past the input rows up to ``QUANT_MAX_ROWS`` rows and above
-that de-quantizing a tile of weight rows at a time into a cache-resident buffer for a register
-kernel (8 x 32 with AVX-512, 6 x 16 with AVX2). The de-quantized values are bit-identical to
-the float weights (checked when the blocks are attached), so the result differs from the float
-path only in the rounding of the sums (their order; with AVX-512 and up to 8 rows, each block's
-scale is applied to its sum); a batch-1 step reads ~115 MB instead of 538 MB for
-SmolLM2-135M.
+the floats, streaming the blocks past the input rows up to ``QUANT_MAX_ROWS`` rows; above
+that ``pd_quant_gemm_tiled`` reads a second copy of the blocks laid out by tiles of 32 weight
+rows (``QuantWeight.tiles``, built at load) and de-quantizes 256 input positions of a tile at a
+time into an L1 panel for a register kernel (8 x 32 with AVX-512, 6 x 16 with AVX2). The
+de-quantized values are bit-identical to the float weights (checked when the blocks are
+attached), so the result differs from the float path only in the rounding of the sums (their
+order; with AVX-512 and up to 4 rows, each block's scale is applied to its sum); a batch-1 step
+reads ~115 MB instead of 538 MB for SmolLM2-135M.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -33,16 +35,17 @@ logger = logging.getLogger("pdinfer")
 PACK_BATCH_HINT = 64
 # Up to this many rows, the native small GEMM (when built) beats oneDNN.
 SMALL_GEMM_MAX_ROWS = 4
-# Block-quantized weights, all of SmolLM2-135M's matrices once (out of cache), 2 cores: the
-# row-streaming GEMM up to 8 rows (21 ms at 4 rows, 36 at 8; oneDNN on the floats 73, 83),
-# then the tiled one up to 128 (at 16/64/128 rows 72/193/336 ms; oneDNN 94/219/355). On a
-# 2-core AVX-512 machine the tiled one at 64 rows: 68-73 ms with the 8 x 32 kernel (AVX2's
-# 6 x 16 there: 120), oneDNN 74-80. Q8_0 blocks (SmolLM2's vocabulary projection) cost more
-# to de-quantize and save less: there oneDNN on the floats wins at every tiled size (AVX-512
-# machine, 16/32/64/128 rows: 7.4/9.9/15.5/27.0 ms vs 9.4/12.1/18.3/32.9), so Q8_0 weights stop
-# at the row-streaming GEMM.
-QUANT_MAX_ROWS = 8
-QUANT_TILED_MAX_ROWS = 128
+# Block-quantized weights, all of SmolLM2-135M's Q4 matrices once, 2-core AVX-512 machine,
+# alternating in one process (2026-12-01): the row-streaming GEMM up to 4 rows (4 rows 8.95 vs
+# 9.06 ms tiled; 5 rows 14.3 vs 10.9), the tiled one up to 192 (64/128/192 rows 53/96/146 ms,
+# oneDNN on the floats 75/113/162; 256: a tie; 384: 524 vs 402). The Q8_0 vocabulary projection
+# costs more to de-quantize and saves less: tiled and oneDNN tie at 32-64 rows (12.1/17.7 vs
+# 12.0/18.2 ms), oneDNN wins from 96. (The AVX2 machine of 2026-11-30, with the older tiled loop:
+# row-streaming up to 8 rows, tiled up to 128.)
+QUANT_MAX_ROWS = 4
+QUANT_TILED_MAX_ROWS = {"q4": 192, "q8": 64}
+# Weight rows per tile of the tiled GEMM's layout (``QuantWeight.tiles``).
+QUANT_TILE = 32
 # Bytes per 32-weight block: a float16 scale (Q4_1: and a float16 minimum) and the quants.
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
@@ -107,17 +110,41 @@ class QuantWeight:
     @property
     def max_rows(self) -> int:
         """The most input rows for which ``linear`` beats oneDNN on the float weights."""
-        return QUANT_TILED_MAX_ROWS if self.kind == "q4" else QUANT_MAX_ROWS
+        return QUANT_TILED_MAX_ROWS[self.kind]
+
+    @functools.cached_property
+    def tiles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The same blocks in the tiled GEMM's layout (``quant_gemm.cpp``): rows in tiles of
+        ``QUANT_TILE`` (the last padded with zero rows), each tile's quants position by position
+        (q4: byte j holds rows j and j + 16, low and high nibble; q8: 32 bytes), and each block's
+        scales (minimums) for the tile's rows side by side. Built once, on first use."""
+        pad = -self.n % QUANT_TILE
+        tiles = (self.n + pad) // QUANT_TILE
+
+        def by_tile(t: torch.Tensor) -> torch.Tensor:  # [n, w] -> [tiles, w, QUANT_TILE]
+            t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
+            return t.reshape(tiles, QUANT_TILE, -1).transpose(1, 2).contiguous()
+
+        if self.kind == "q8":
+            return by_tile(self.qs), by_tile(self.d), None
+        half = QUANT_TILE // 2
+        q = by_tile(torch.cat([self.qs & 15, self.qs >> 4], dim=-1).reshape(self.n, self.k))
+        return (q[..., :half] | (q[..., half:] << 4)).contiguous(), by_tile(self.d), by_tile(self.mn)
 
     def linear(self, lib, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, dequantize(), bias)``: row-streaming up to ``QUANT_MAX_ROWS`` rows of
-        ``x``, tiled above (callers send at most ``QUANT_TILED_MAX_ROWS``)."""
+        ``x``, tiled above (callers send at most ``max_rows``)."""
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
         bias_ptr = None if bias is None else bias.data_ptr()
-        lib.pd_quant_gemm(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(),
-                          None if self.mn is None else self.mn.data_ptr(), bias_ptr, out.data_ptr(),
-                          x.shape[0], self.n, self.k, int(x.shape[0] > QUANT_MAX_ROWS))
+        if x.shape[0] <= QUANT_MAX_ROWS:
+            qs, d, mn = self.qs, self.d, self.mn
+            gemm = lib.pd_quant_gemm
+        else:
+            qs, d, mn = self.tiles
+            gemm = lib.pd_quant_gemm_tiled
+        gemm(x.data_ptr(), qs.data_ptr(), d.data_ptr(), None if mn is None else mn.data_ptr(), bias_ptr,
+             out.data_ptr(), x.shape[0], self.n, self.k)
         return out
 
 
@@ -141,6 +168,8 @@ class PackedLinear(nn.Module):
         self.bias = bias
         self.kernels = kernels if weight.is_contiguous() else None  # ``cpu_kernels.load()``
         self.quant = quant if kernels is not None else None
+        if self.quant is not None:
+            self.quant.tiles  # built at load, not in the first large decode step
         self.repack()
 
     def repack(self) -> None:

@@ -192,99 +192,112 @@ static void qgemm(const float* x, const uint8_t* qs, const float* d, const float
   });
 }
 
-// Rows [r0, r1) of a block-quantized weight de-quantized into buf [r1 - r0, k] (row-major).
+// The tiled loop's own layout of the same blocks (cpu_linear.QuantWeight.tiles): weight rows in
+// tiles of QTILE (the last tile padded with zero rows), each tile's quants input position by
+// input position, so de-quantizing gives the [position][QTILE] panel the register tile reads
+// with no transposes:
+//   q4: qt [tiles][k][16] bytes, byte j of a position holding row j's quant in its low nibble
+//       and row j + 16's in its high nibble;  q8: qt [tiles][k][32] int8;
+//   dt (q4 also mt) [tiles][k/32][32]: the tile's 32 scales (minimums) of each block.
+constexpr int64_t QTILE = 32;
+
+// Input positions per pass over the rows: the panel (KC x QTILE floats) stays in L1.
+constexpr int64_t KC = 256;
+
+// Positions [c0, c0 + kc) of one tile (c0 and kc multiples of 32) de-quantized into
+// buf [kc][QTILE].
 template <bool Q4>
-static void dequant_rows(const uint8_t* __restrict qs, const float* __restrict d,
-                         const float* __restrict mn, int64_t r0, int64_t r1, int64_t k,
-                         float* __restrict buf) {
-  const int64_t nb = k / 32, row_bytes = Q4 ? nb * 16 : k;
-  for (int64_t r = r0; r < r1; r++) {
-    const uint8_t* __restrict qr = qs + r * row_bytes;
-    float* __restrict out = buf + (r - r0) * k;
-    for (int64_t b = 0; b < nb; b++) {
-      const float mb = Q4 ? mn[r * nb + b] : 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-      __m256 w[4];
-      dequant_block<Q4>(qr, b, d[r * nb + b], mb, w);
-      for (int g = 0; g < 4; g++) _mm256_storeu_ps(out + b * 32 + 8 * g, w[g]);
+static void dequant_panel(const uint8_t* __restrict qt, const float* __restrict dt,
+                          const float* __restrict mt, int64_t c0, int64_t kc, float* __restrict buf) {
+  constexpr int64_t QB = Q4 ? 16 : 32;  // bytes per position
+  for (int64_t b = c0 / 32; b < (c0 + kc) / 32; b++) {
+    const float* __restrict db = dt + b * QTILE;
+    const float* __restrict mb = Q4 ? mt + b * QTILE : nullptr;
+#if defined(__AVX512F__)
+    const __m512 d0 = _mm512_loadu_ps(db), d1 = _mm512_loadu_ps(db + 16);
+    const __m512 m0 = Q4 ? _mm512_loadu_ps(mb) : d0, m1 = Q4 ? _mm512_loadu_ps(mb + 16) : d1;
+#endif
+    for (int64_t c = b * 32; c < b * 32 + 32; c++) {
+      const uint8_t* __restrict q = qt + c * QB;
+      float* __restrict o = buf + (c - c0) * QTILE;
+#if defined(__AVX512F__)
+      if constexpr (Q4) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+        const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(d0, _mm512_cvtepi32_ps(lo), m0));
+        _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(hi), m1));
+      } else {
+        const __m128i* p = reinterpret_cast<const __m128i*>(q);
+        _mm512_storeu_ps(o, _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)))));
+        _mm512_storeu_ps(o + 16, _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)))));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      __m128i parts[4];
+      if constexpr (Q4) {
+        const __m128i low4 = _mm_set1_epi8(0x0F);
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+        const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+        parts[0] = lo, parts[1] = _mm_srli_si128(lo, 8), parts[2] = hi, parts[3] = _mm_srli_si128(hi, 8);
+      }
+      for (int g = 0; g < 4; g++) {
+        const __m256 vd = _mm256_loadu_ps(db + 8 * g);
+        if constexpr (Q4)
+          _mm256_storeu_ps(o + 8 * g, _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[g])),
+                                                       _mm256_loadu_ps(mb + 8 * g)));
+        else
+          _mm256_storeu_ps(o + 8 * g, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * g))))));
+      }
 #else
-      dequant_block<Q4>(qr, b, d[r * nb + b], mb, out + b * 32);
+      for (int j = 0; j < QTILE; j++) {
+        const int v = Q4 ? (q[j & 15] >> (j < 16 ? 0 : 4)) & 15 : static_cast<int8_t>(q[j]);
+        o[j] = Q4 ? db[j] * v + mb[j] : db[j] * v;
+      }
 #endif
     }
   }
 }
 
-// Input positions per pass over the rows: the tile's slice (KC x TILE floats) stays in L1.
-constexpr int64_t KC = 256;
-
-// Weight rows [r0, r0 + TILE) of a block-quantized weight into buf [k][TILE] (TILE outputs
-// side by side for each input position; rows past n are zeros): de-quantized row-wise into
-// rows [TILE][k], then transposed in 8x8 blocks.
+// Many input rows (a decode step of a large batch): each thread de-quantizes KC positions of a
+// tile of QTILE weight rows at a time (about 1/m of the arithmetic) into an L1 panel and runs
+// every input row past it, TILE columns at a time (the AVX2 tile is half a panel wide).
 template <bool Q4>
-static void pack_tile(const uint8_t* qs, const float* d, const float* mn, int64_t r0, int64_t n,
-                      int64_t k, float* __restrict rows, float* __restrict buf) {
-  const int64_t r1 = std::min(n, r0 + TILE);
-  dequant_rows<Q4>(qs, d, mn, r0, r1, k, rows);
-  std::fill(rows + (r1 - r0) * k, rows + TILE * k, 0.f);
-#if defined(__AVX2__) && defined(__FMA__)
-  for (int64_t part = 0; part < TILE / 8; part++)
-    for (int64_t c = 0; c < k; c += 8) {
-      __m256 v[8];
-      for (int q = 0; q < 8; q++) v[q] = _mm256_loadu_ps(rows + (part * 8 + q) * k + c);
-      const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
-      const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
-      const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
-      const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
-      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-      float* o = buf + c * TILE + part * 8;
-      _mm256_storeu_ps(o + 0 * TILE, _mm256_permute2f128_ps(u0, u4, 0x20));
-      _mm256_storeu_ps(o + 1 * TILE, _mm256_permute2f128_ps(u1, u5, 0x20));
-      _mm256_storeu_ps(o + 2 * TILE, _mm256_permute2f128_ps(u2, u6, 0x20));
-      _mm256_storeu_ps(o + 3 * TILE, _mm256_permute2f128_ps(u3, u7, 0x20));
-      _mm256_storeu_ps(o + 4 * TILE, _mm256_permute2f128_ps(u0, u4, 0x31));
-      _mm256_storeu_ps(o + 5 * TILE, _mm256_permute2f128_ps(u1, u5, 0x31));
-      _mm256_storeu_ps(o + 6 * TILE, _mm256_permute2f128_ps(u2, u6, 0x31));
-      _mm256_storeu_ps(o + 7 * TILE, _mm256_permute2f128_ps(u3, u7, 0x31));
-    }
-#else
-  for (int64_t q = 0; q < TILE; q++)
-    for (int64_t c = 0; c < k; c++) buf[c * TILE + q] = rows[q * k + c];
-#endif
-}
-
-// Many input rows (a decode step of a large batch): each thread de-quantizes a tile of TILE
-// weight rows once (about 1/m of the arithmetic) and multiplies every input row with it, KC
-// input positions at a time so the tile's slice stays in L1 while all rows pass.
-template <bool Q4>
-static void qgemm_tiled(const float* x, const uint8_t* qs, const float* d, const float* mn,
+static void qgemm_tiled(const float* x, const uint8_t* qt, const float* dt, const float* mt,
                         const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
-  at::parallel_for(0, (n + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> rows(TILE * k), buf(TILE * k), out(m * TILE);
+  const int64_t nb = k / 32, tile_bytes = k * (Q4 ? 16 : 32);
+  at::parallel_for(0, (n + QTILE - 1) / QTILE, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(KC * QTILE), out(m * QTILE);
     for (int64_t t = t0; t < t1; t++) {
-      const int64_t r0 = t * TILE, nr = std::min(TILE, n - r0);
-      pack_tile<Q4>(qs, d, mn, r0, n, k, rows.data(), buf.data());
+      const int64_t r0 = t * QTILE, nr = std::min(QTILE, n - r0);
       for (int64_t c0 = 0; c0 < k; c0 += KC) {
         const int64_t kc = std::min(KC, k - c0);
+        dequant_panel<Q4>(qt + t * tile_bytes, dt + t * nb * QTILE, Q4 ? mt + t * nb * QTILE : nullptr,
+                          c0, kc, buf.data());
         for (int64_t i = 0; i < m; i += MR)
-          tile_rows<MR>(std::min<int64_t>(MR, m - i), x + i * k + c0, k, kc, buf.data() + c0 * TILE,
-                        TILE, out.data() + i * TILE, TILE, c0 == 0);
+          for (int64_t h = 0; h < QTILE; h += TILE)
+            tile_rows<MR>(std::min<int64_t>(MR, m - i), x + i * k + c0, k, kc, buf.data() + h, QTILE,
+                          out.data() + i * QTILE + h, QTILE, c0 == 0);
       }
       for (int64_t i = 0; i < m; i++)
-        for (int64_t q = 0; q < nr; q++) y[i * n + r0 + q] = out[i * TILE + q] + (bias ? bias[r0 + q] : 0.f);
+        for (int64_t q = 0; q < nr; q++) y[i * n + r0 + q] = out[i * QTILE + q] + (bias ? bias[r0 + q] : 0.f);
     }
   });
 }
 
-// One entry point for both block kinds and both loops: mn == nullptr means q8 blocks; `tiled`
-// picks the tile loop (many rows) over the row-streaming one (a few rows).
+// Entry points for both block kinds: mn (mt) == nullptr means q8 blocks. pd_quant_gemm streams
+// the GGUF rows (a few input rows); pd_quant_gemm_tiled reads the tiled layout (many rows).
 extern "C" void pd_quant_gemm(const float* x, const uint8_t* qs, const float* d, const float* mn,
-                              const float* bias, float* y, int64_t m, int64_t n, int64_t k,
-                              int64_t tiled) {
+                              const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
   if (mn != nullptr)
-    tiled ? qgemm_tiled<true>(x, qs, d, mn, bias, y, m, n, k) : qgemm<true>(x, qs, d, mn, bias, y, m, n, k);
+    qgemm<true>(x, qs, d, mn, bias, y, m, n, k);
   else
-    tiled ? qgemm_tiled<false>(x, qs, d, mn, bias, y, m, n, k) : qgemm<false>(x, qs, d, mn, bias, y, m, n, k);
+    qgemm<false>(x, qs, d, mn, bias, y, m, n, k);
+}
+
+extern "C" void pd_quant_gemm_tiled(const float* x, const uint8_t* qt, const float* dt, const float* mt,
+                                    const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
+  if (mt != nullptr)
+    qgemm_tiled<true>(x, qt, dt, mt, bias, y, m, n, k);
+  else
+    qgemm_tiled<false>(x, qt, dt, mt, bias, y, m, n, k);
 }
