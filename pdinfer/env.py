@@ -85,8 +85,13 @@ _declare(
 )
 _declare(
     "PDINFER_CPU_QUANT_GEMM", _parse_bool, True,
-    "CPU, float32, GGUF models: steps of up to 128 rows (decode) read the file's Q4_0/Q4_1/Q8_0 "
+    "CPU, float32, GGUF models: steps of up to 192 rows (decode) read the file's Q4_0/Q4_1/Q8_0 "
     "blocks instead of the de-quantized floats (the same values; 3-4x fewer bytes). 0: floats.",
+)
+_declare(
+    "PDINFER_CPU_DECODE_STACK", _parse_bool, True,
+    "CPU, float32: a decode step's decoder layers run as one native call (the same kernels in "
+    "the same order as the torch modules, without their Python overhead). 0: the modules.",
 )
 _declare(
     "PDINFER_LOG_LEVEL", str, "INFO",

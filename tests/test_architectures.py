@@ -107,6 +107,11 @@ def test_architecture_matches_transformers(case, tmp_path):
     llm = LLM(model=str(tmp_path), num_kv_blocks=64)
     assert llm.engine.model_runner.spec.architecture == hf_model.config.architectures[0]
     _assert_matches(llm, hf_model, _random_prompts(PROMPT_LENS), case)
+    # Two at a time: decode steps small enough for the native decoder stack (float weights:
+    # up to 4 rows), which covers every architecture without QK-norm.
+    stack = llm.engine.model_runner.model.decode_stack
+    assert (stack is None) == (case == "qwen3-qk-norm")
+    _assert_matches(llm, hf_model, _random_prompts(PROMPT_LENS[:2]), case)
 
 
 def test_sliding_window_caps_the_context(tmp_path):

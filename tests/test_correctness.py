@@ -42,6 +42,38 @@ def test_small_decode_steps_read_the_gguf_blocks_and_match_transformers(llm, pro
         _check(llm, group, reference)
 
 
+def test_native_decode_stack_equals_the_torch_modules(llm, prompt_ids, reference):
+    """CPU decode steps run the decoder layers as one native call (``cpu_decode_stack``); the
+    torch modules are its reference: the same tokens and bit-identical log-probabilities, with
+    1 and 4 sequences (row-streaming GEMMs) and 6 (the tiled GEMM)."""
+    model = llm.engine.model_runner.model
+    stack = model.decode_stack
+    assert stack is not None and stack.max_rows >= 6
+    rows_seen = []
+
+    def counting_run(x, *args):
+        rows_seen.append(x.shape[0])
+        return type(stack).run(stack, x, *args)
+
+    stack.run = counting_run
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    try:
+        for group in ([prompt_ids[0]], prompt_ids[:4], prompt_ids[:6]):
+            requests = [{"prompt_token_ids": ids} for ids in group]
+            native = llm.generate(requests, params, use_tqdm=False)
+            model.decode_stack = None
+            modules = llm.generate(requests, params, use_tqdm=False)
+            model.decode_stack = stack
+            for a, b in zip(native, modules):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids
+                assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    finally:
+        model.decode_stack = stack
+        del stack.run
+    assert {1, 4, 6} <= set(rows_seen)
+    _check(llm, prompt_ids[:6], reference)
+
+
 def test_text_prompts_tokenize_like_transformers(llm, tokenizer):
     text = "The capital of France is"
     by_text = llm.generate([text], GREEDY, use_tqdm=False)[0]

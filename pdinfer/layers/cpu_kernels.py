@@ -13,9 +13,10 @@
   input rows in L1, it streams them ~1.5x faster than oneDNN/MKL here.
 - ``pd_quant_gemm``: the same for a GGUF model's Q4_0/Q4_1/Q8_0 blocks, de-quantized in
   registers (bit-identical weights, a fifth to a quarter of the bytes): batch-1 decode of the
-  default model at ~2x the float path; for 9-128 rows (large decode batches) it de-quantizes
-  a tile of weight rows at a time into an L1/L2 buffer for an FMA register kernel (8 x 32 with
-  AVX-512, 6 x 16 with AVX2).
+  default model at ~2x the float path. ``pd_quant_gemm_tiled``, for more rows (large decode
+  batches), reads a copy of the blocks laid out by tiles of 32 weight rows and de-quantizes
+  256 input positions of a tile at a time into an L1 panel for an FMA register kernel (8 x 32
+  with AVX-512, 6 x 16 with AVX2).
 - ``pd_rms_norm``, ``pd_rotary_qk``, ``pd_silu_and_mul``: one pass each instead of 3-8 small
   torch ops (``FusedOps``, the CPU twin of ``triton_ops``); they matter at small batches, where
   per-op overhead rivals the arithmetic.
@@ -45,7 +46,8 @@ import torch
 logger = logging.getLogger("pdinfer")
 
 # The C++ sources, compiled together into one library, and the header they share.
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "quant_gemm.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("cpu_kernels.cpp", "quant_gemm.cpp", "decode_stack.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile.h")]
 
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17",
@@ -100,6 +102,7 @@ def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ct
             ("pd_rms_norm", [ptr, i64, ptr, ptr, i64, i64, f32]),
             ("pd_rotary_qk", [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]),
             ("pd_silu_and_mul", [ptr, i64, ptr, i64, i64]),
+            ("pd_decode_stack", [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64]),
         ]:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None

@@ -132,6 +132,9 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(spec, i, self.rotary) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # CPU decode steps: the layers in one native call (layers/cpu_decode_stack.py), set by
+        # the model runner once the linears are packed; None: the modules.
+        self.decode_stack = None
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -143,6 +146,10 @@ class LlamaForCausalLM(nn.Module):
         layer then skips the other rows after attention); K/V written to ``kv_cache``."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        stack = self.decode_stack
+        if (stack is not None and keep_rows is None and not meta.is_prompt and meta.native is not None
+                and x.shape[0] <= stack.max_rows):
+            return stack.run(x, cos, sin, kv_cache, meta)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache, meta, keep_rows if i == last else None)

@@ -17,6 +17,7 @@ import torch
 from pdinfer import env
 from pdinfer.engine_type import EngineType
 from pdinfer.layers import cpu_kernels
+from pdinfer.layers.cpu_decode_stack import DecodeStack
 from pdinfer.layers.cpu_linear import pack_linears
 from pdinfer.models.loader import build_model, load_quantized_blocks
 from pdinfer.models.spec import ModelSpec
@@ -49,6 +50,8 @@ class ModelRunner:
             use_blocks = (self.native_kernels is not None and load_format != "dummy"
                           and env.get("PDINFER_CPU_QUANT_GEMM"))
             pack_linears(self.model, self.native_kernels, load_quantized_blocks(folder) if use_blocks else None)
+            if env.get("PDINFER_CPU_DECODE_STACK") and hasattr(self.model, "decode_stack"):
+                self.model.decode_stack = DecodeStack.build(self.model, self.native_kernels)
         self.sampler = Sampler()
         self.cache: CacheEngine | None = None
         # Sampled tokens of the last few steps, on the device, by step id (zero-overhead
