@@ -169,7 +169,7 @@ class PackedLinear(nn.Module):
         self.kernels = kernels if weight.is_contiguous() else None  # ``cpu_kernels.load()``
         self.quant = quant if kernels is not None else None
         if self.quant is not None:
-            self.quant.tiles  # built at load, not in the first large decode step
+            _ = self.quant.tiles  # built at load, not in the first large decode step
         self.repack()
 
     def repack(self) -> None:
