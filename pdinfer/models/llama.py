@@ -147,8 +147,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         stack = self.decode_stack
-        if (stack is not None and keep_rows is None and not meta.is_prompt and meta.native is not None
-                and x.shape[0] <= stack.max_rows):
+        if (stack is not None and keep_rows is None and isinstance(meta, AttentionMetadata)
+                and not meta.is_prompt and meta.native is not None and x.shape[0] <= stack.max_rows):
             return stack.run(x, cos, sin, kv_cache, meta)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
