@@ -108,9 +108,8 @@ def test_architecture_matches_transformers(case, tmp_path):
     assert llm.engine.model_runner.spec.architecture == hf_model.config.architectures[0]
     _assert_matches(llm, hf_model, _random_prompts(PROMPT_LENS), case)
     # Two at a time: decode steps small enough for the native decoder stack (float weights:
-    # up to 4 rows), which covers every architecture without QK-norm.
-    stack = llm.engine.model_runner.model.decode_stack
-    assert (stack is None) == (case == "qwen3-qk-norm")
+    # up to 4 rows), which covers every architecture here.
+    assert llm.engine.model_runner.model.decode_stack is not None
     _assert_matches(llm, hf_model, _random_prompts(PROMPT_LENS[:2]), case)
 
 

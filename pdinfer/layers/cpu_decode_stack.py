@@ -4,13 +4,14 @@ At batch 1 a SmolLM2-135M decode step spends ~5 of its ~19 ms in Python: ~15 cal
 (module calls, tensor views, ``ctypes`` argument conversion) around kernels of microseconds.
 ``DecodeStack`` hands the whole stack to one C++ function that calls the same kernels in the
 same order (RMSNorm, the Q/K/V GEMM, rotary, the K/V write, paged decode attention, the output
-projection, the residual add, RMSNorm, gate/up, SiLU-and-mul, down, the residual add), so its
+projection, the residual add, RMSNorm, gate/up, SiLU-and-mul, down, the residual add; Qwen3's
+per-head RMSNorm of q and k after the Q/K/V GEMM), so its
 output equals the torch modules' bit for bit: the CPU counterpart of replaying a CUDA graph.
 
-It covers what those kernels cover: float32 Llama-family layers without QK-norm, decode steps
+It covers what those kernels cover: float32 Llama-family layers (QK-norm included), decode steps
 (one query token per sequence) on the native attention path, and as many rows as every linear's
 native GEMM takes: any step up to ``QUANT_MAX_ROWS`` rows, and up to the tiled GEMM's limit when
-every linear has GGUF blocks. Anything else (prefill, a larger batch, QK-norm, no kernels) runs
+every linear has GGUF blocks. Anything else (prefill, a larger batch, no kernels) runs
 the modules, which stay the reference.
 """
 
@@ -31,8 +32,9 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear),
-                ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+                ("down", _Linear)]
 
 
 class _Stack(ctypes.Structure):
@@ -62,6 +64,8 @@ class DecodeStack:
         layers = list(model.layers)
         self._layers = (_Layer * len(layers))(*[
             _Layer(_ptr(la.input_layernorm.weight), _ptr(la.post_attention_layernorm.weight),
+                   _ptr(la.self_attn.q_norm and la.self_attn.q_norm.weight),
+                   _ptr(la.self_attn.k_norm and la.self_attn.k_norm.weight),
                    _linear(la.self_attn.qkv_proj), _linear(la.self_attn.o_proj),
                    _linear(la.mlp.gate_up_proj), _linear(la.mlp.down_proj))
             for la in layers])
@@ -78,8 +82,6 @@ class DecodeStack:
         linears = []
         for la in model.layers:
             attn = la.self_attn
-            if attn.q_norm is not None:
-                return None
             mods = [attn.qkv_proj, attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj]
             if not all(isinstance(m, PackedLinear) and m.kernels is not None for m in mods):
                 return None

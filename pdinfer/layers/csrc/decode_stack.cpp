@@ -44,6 +44,8 @@ struct PdLinear {
 struct PdLayer {
   const float* input_norm;
   const float* post_norm;
+  const float* q_norm;  // QK-norm (Qwen3): per-head RMSNorm weights; nullptr: none
+  const float* k_norm;
   PdLinear qkv, o, gate_up, down;
 };
 
@@ -84,6 +86,11 @@ extern "C" void pd_decode_stack(const PdStack* s, float* x, int64_t tokens, floa
     pd_rms_norm(x, H, L.input_norm, normed.data(), T, H, s->eps);
     linear(L.qkv, normed.data(), qkv.data(), T, s->stream_rows);
     float *q = qkv.data(), *k = q + q_size, *v = k + kv_size;
+    if (L.q_norm != nullptr)
+      for (int64_t t = 0; t < T; t++) {  // in place: each row is read before it is written
+        pd_rms_norm(q + t * qkv_w, D, L.q_norm, q + t * qkv_w, s->heads, D, s->eps);
+        pd_rms_norm(k + t * qkv_w, D, L.k_norm, k + t * qkv_w, s->kv_heads, D, s->eps);
+      }
     pd_rotary_qk(q, qkv_w, D, s->heads, k, qkv_w, D, s->kv_heads, cos, sin, cs_row, T, s->rot);
     pd_write_kv(layer_kv, slots, k, qkv_w, v, qkv_w, T, kv_size, strides[4]);
     pd_paged_decode(layer_kv, q, attn.data(), tables, lens, T, max_blocks, strides, s->kv_heads,
