@@ -70,7 +70,7 @@ class DecodeStack:
                    _linear(la.mlp.gate_up_proj), _linear(la.mlp.down_proj))
             for la in layers])
         self._stack = _Stack(self._layers, len(layers), spec.hidden_size, spec.num_heads, spec.num_kv_heads,
-                             spec.head_dim, spec.intermediate_size, 0, QUANT_MAX_ROWS,
+                             spec.head_dim, spec.intermediate_size, model.rotary.rotary_dim, QUANT_MAX_ROWS,
                              layers[0].input_layernorm.eps, layers[0].self_attn.backend.scale)
         self._lib = lib
         self.max_rows = max_rows
@@ -97,9 +97,8 @@ class DecodeStack:
         """The decoder layers over the embeddings ``x`` [T, hidden] (updated in place and
         returned) of a decode step with ``meta.native`` set."""
         native = meta.native
-        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-            raise ValueError("the native decode stack needs unit-stride cos/sin of one layout")
-        self._stack.rot = cos.shape[-1]
+        if cos.stride(-1) != 1 or sin.stride() != cos.stride() or cos.shape[-1] != self._stack.rot:
+            raise ValueError("the native decode stack needs unit-stride cos/sin [T, rotary_dim] of one layout")
         x = x.contiguous()
         self._lib.pd_decode_stack(ctypes.byref(self._stack), x.data_ptr(), x.shape[0], kv_cache.data_ptr(),
                                   kv_cache.stride(1), native.kv_strides.data_ptr(), meta.slot_rows.data_ptr(),
