@@ -20,10 +20,12 @@
 - ``pd_rms_norm``, ``pd_rotary_qk``, ``pd_silu_and_mul``: one pass each instead of 3-8 small
   torch ops (``FusedOps``, the CPU twin of ``triton_ops``); they matter at small batches, where
   per-op overhead rivals the arithmetic.
+- ``pd_decode_stack``: all of the above for every decoder layer of a decode step, in one call
+  (``cpu_decode_stack``).
 
-~750 lines of C++ (AVX-512 or AVX2 through one small wrapper, ``csrc/simd.h``, and one FMA
-register tile, ``csrc/tile.h``; plain loops otherwise; ``-march=native`` picks), compiled with the system ``g++`` against ATen's threading
-header only (``at::parallel_for`` shares torch's OpenMP pool), in a few seconds, once per
+~900 lines of C++ (AVX-512 or AVX2 through one small wrapper, ``csrc/simd.h``, and one FMA
+register tile, ``csrc/tile.h``; plain loops otherwise; ``-march=native`` picks), compiled with
+the system ``g++`` against ATen's threading header only (``at::parallel_for`` shares torch's OpenMP pool), in a few seconds, once per
 machine: the library is cached under ``PDINFER_CACHE_DIR`` keyed by source, flags, torch
 version and CPU flags, and loaded with ``ctypes``. Without a compiler, or when building or
 loading fails, ``load()`` returns None and callers use plain torch.
