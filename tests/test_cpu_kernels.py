@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from pdinfer.layers import cpu_kernels
 from pdinfer.layers.attention.torch_paged import TorchPagedAttention
 from pdinfer.layers.cpu_linear import (
-    QUANT_MAX_ROWS,
     QUANT_TILED_MAX_ROWS,
     PackedLinear,
     QuantWeight,
@@ -200,7 +199,8 @@ def test_gguf_blocks_dequantize_exactly_like_gguf(gguf_type):
 
 
 @pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1, 8, 23, *QUANT_TILED_MAX_ROWS.values()])
+# Both sides of the row-streaming/tiled crossover of every build (AVX-512 4/5, AVX2 8/9).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 23, *QUANT_TILED_MAX_ROWS.values()])
 def test_quantized_gemm_matches_linear_on_dequantized_weights(kernel_paths, gguf_type, rows):
     kernels = kernel_paths
     # 75 outputs: a partial last tile; 288 inputs: more than one slice of the tiled loop.

@@ -10,7 +10,7 @@ output equals the torch modules' bit for bit: the CPU counterpart of replaying a
 
 It covers what those kernels cover: float32 Llama-family layers (QK-norm included), decode steps
 (one query token per sequence) on the native attention path, and as many rows as every linear's
-native GEMM takes: any step up to ``QUANT_MAX_ROWS`` rows, and up to the tiled GEMM's limit when
+native GEMM takes: any step up to ``SMALL_GEMM_MAX_ROWS`` rows, and up to the tiled GEMM's limit when
 every linear has GGUF blocks. Anything else (prefill, a larger batch, no kernels) runs
 the modules, which stay the reference.
 """
@@ -21,7 +21,8 @@ import ctypes
 
 import torch
 
-from pdinfer.layers.cpu_linear import QUANT_MAX_ROWS, SMALL_GEMM_MAX_ROWS, PackedLinear
+from pdinfer.layers.cpu_kernels import quant_stream_rows
+from pdinfer.layers.cpu_linear import SMALL_GEMM_MAX_ROWS, PackedLinear
 
 
 class _Linear(ctypes.Structure):
@@ -70,7 +71,7 @@ class DecodeStack:
                    _linear(la.mlp.gate_up_proj), _linear(la.mlp.down_proj))
             for la in layers])
         self._stack = _Stack(self._layers, len(layers), spec.hidden_size, spec.num_heads, spec.num_kv_heads,
-                             spec.head_dim, spec.intermediate_size, model.rotary.rotary_dim, QUANT_MAX_ROWS,
+                             spec.head_dim, spec.intermediate_size, model.rotary.rotary_dim, quant_stream_rows(lib),
                              layers[0].input_layernorm.eps, layers[0].self_attn.backend.scale)
         self._lib = lib
         self.max_rows = max_rows
@@ -90,7 +91,7 @@ class DecodeStack:
             return None
         if all(m.quant is not None for m in linears):
             return cls(model, lib, min(m.quant.max_rows for m in linears))
-        return cls(model, lib, min(SMALL_GEMM_MAX_ROWS, QUANT_MAX_ROWS))
+        return cls(model, lib, SMALL_GEMM_MAX_ROWS)  # the row-streaming GEMM takes at least as many
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
             meta) -> torch.Tensor:

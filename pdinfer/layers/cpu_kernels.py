@@ -34,6 +34,7 @@ loading fails, ``load()`` returns None and callers use plain torch.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -108,6 +109,7 @@ def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ct
         ]:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
+        lib.pd_quant_stream_rows.argtypes, lib.pd_quant_stream_rows.restype = [], i64
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         logger.warning("native CPU kernels unavailable (%s); using plain torch", exc)
         return None
@@ -121,6 +123,13 @@ def _compile(path: Path, cmd_tail: list[str]) -> None:
         subprocess.run(["g++", *_FLAGS, *map(str, _SOURCES), "-o", str(out), *cmd_tail],
                        check=True, capture_output=True, timeout=120)
         os.replace(out, path)  # atomic: concurrent engines never load a half-written file
+
+
+@functools.cache
+def quant_stream_rows(lib: ctypes.CDLL) -> int:
+    """Input rows up to which this build's row-streaming quantized GEMM (``pd_quant_gemm``)
+    beats its tiled one (``pd_quant_gemm_tiled``): 4 with AVX-512, 8 with AVX2."""
+    return int(lib.pd_quant_stream_rows())
 
 
 def cpu_flags() -> set[str]:

@@ -8,7 +8,8 @@ faster still. Only float32 on CPU is packed; anything else keeps ``nn.Linear``.
 
 Weights that came from a GGUF file as Q4_0/Q4_1/Q8_0 blocks also keep those blocks
 (``QuantWeight``): up to ``QuantWeight.max_rows`` rows ``pd_quant_gemm`` reads them instead of
-the floats, streaming the blocks past the input rows up to ``QUANT_MAX_ROWS`` rows; above
+the floats, streaming the blocks past the input rows up to ``cpu_kernels.quant_stream_rows``
+rows (4 with AVX-512, 8 with AVX2); above
 that ``pd_quant_gemm_tiled`` reads a second copy of the blocks laid out by tiles of 32 weight
 rows (``QuantWeight.tiles``, built at load) and de-quantizes 256 input positions of a tile at a
 time into an L1 panel for a register kernel (8 x 32 with AVX-512, 6 x 16 with AVX2). The
@@ -36,13 +37,11 @@ PACK_BATCH_HINT = 64
 # Up to this many rows, the native small GEMM (when built) beats oneDNN.
 SMALL_GEMM_MAX_ROWS = 4
 # Block-quantized weights, all of SmolLM2-135M's Q4 matrices once, 2-core AVX-512 machine,
-# alternating in one process (2026-12-01): the row-streaming GEMM up to 4 rows (4 rows 8.95 vs
-# 9.06 ms tiled; 5 rows 14.3 vs 10.9), the tiled one up to 192 (64/128/192 rows 53/96/146 ms,
-# oneDNN on the floats 75/113/162; 256: a tie; 384: 524 vs 402). The Q8_0 vocabulary projection
-# costs more to de-quantize and saves less: tiled and oneDNN tie at 32-64 rows (12.1/17.7 vs
-# 12.0/18.2 ms), oneDNN wins from 96. (The AVX2 machine of 2026-11-30, with the older tiled loop:
-# row-streaming up to 8 rows, tiled up to 128.)
-QUANT_MAX_ROWS = 4
+# alternating in one process (2026-12-01): the tiled GEMM (above the row-streaming one's
+# ``cpu_kernels.quant_stream_rows``) up to 192 rows (64/128/192 rows 53/96/146 ms, oneDNN on the
+# floats 75/113/162; 256: a tie; 384: 524 vs 402; the AVX2 build against oneDNN held to AVX2:
+# 92/178/259 vs 112/193/274 ms). The Q8_0 vocabulary projection costs more to de-quantize and
+# saves less: tiled and oneDNN tie at 32-64 rows (12.1/17.7 vs 12.0/18.2 ms), oneDNN wins from 96.
 QUANT_TILED_MAX_ROWS = {"q4": 192, "q8": 64}
 # Weight rows per tile of the tiled GEMM's layout (``QuantWeight.tiles``).
 QUANT_TILE = 32
@@ -132,12 +131,12 @@ class QuantWeight:
         return (q[..., :half] | (q[..., half:] << 4)).contiguous(), by_tile(self.d), by_tile(self.mn)
 
     def linear(self, lib, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, dequantize(), bias)``: row-streaming up to ``QUANT_MAX_ROWS`` rows of
-        ``x``, tiled above (callers send at most ``max_rows``)."""
+        """``F.linear(x, dequantize(), bias)``: row-streaming up to ``quant_stream_rows(lib)``
+        rows of ``x``, tiled above (callers send at most ``max_rows``)."""
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
         bias_ptr = None if bias is None else bias.data_ptr()
-        if x.shape[0] <= QUANT_MAX_ROWS:
+        if x.shape[0] <= cpu_kernels.quant_stream_rows(lib):
             qs, d, mn = self.qs, self.d, self.mn
             gemm = lib.pd_quant_gemm
         else:
