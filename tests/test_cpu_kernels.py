@@ -106,6 +106,22 @@ def test_native_decode_matches_sdpa(kernel_paths, head_dim, group, lengths):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [2, 8])
+@pytest.mark.parametrize("lengths", [[2000], [1100, 3]])
+def test_native_decode_splits_long_contexts_into_chunks(kernel_paths, threads, lengths):
+    """Fewer (sequence, KV head) items than two a thread: each long context is cut into chunks
+    of whole blocks, each chunk's softmax alone, merged after; with 8 threads the 3-token
+    sequence's later chunks are empty."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kv, layer, q, inp, ref = _decode_case(64, 3, lengths, seed=2)
+        out = _run_decode(kv, layer, q, inp, kernel_paths)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("lengths", [[9], [1, 5, 17, 64, 3, 40, 33], [100, 2, 2, 2, 70]])
 def test_torch_decode_fallback_matches_sdpa(lengths):
     kv, layer, q, inp, ref = _decode_case(64, 3, lengths, seed=1)

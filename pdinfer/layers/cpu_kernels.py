@@ -3,7 +3,8 @@
 - ``pd_write_kv``: the new tokens' K/V into the cache, one call instead of two ``index_copy_``.
 - ``pd_paged_decode``: decode attention straight from the paged KV blocks. Plain torch must
   first gather each sequence's blocks into a padded buffer (a write and a second read of the
-  whole context, every layer); this reads K and V once.
+  whole context, every layer); this reads K and V once. A lone long sequence is cut into
+  context chunks across threads (each chunk's softmax alone, merged after).
 - ``pd_prefill_attention``: causal prefill attention of a whole step (every sequence, with or
   without a cached prefix) through the block tables, on the same FMA register tile as the
   quantized GEMM (Q K^T, exact softmax, P V): ~2-3x torch's CPU SDPA for the 30-500-token

@@ -117,7 +117,7 @@ template <int DIM>
 static void decode_item(const float* __restrict kv, const float* __restrict q, float* __restrict out,
                         const int64_t* __restrict table, int64_t len, int64_t h0, int64_t nh,
                         const int64_t* s, int64_t group, int64_t dim_rt, float scale,
-                        float* __restrict scores, float* __restrict acc) {
+                        float* __restrict scores, float* __restrict acc, float* __restrict stats) {
   const int64_t dim = DIM > 0 ? DIM : dim_rt, bs = s[4], rows = nh * group;
   const int64_t nblocks = (len + bs - 1) / bs;
   for (int64_t j = 0, t0 = 0; j < nblocks; j++, t0 += bs) {
@@ -132,7 +132,9 @@ static void decode_item(const float* __restrict kv, const float* __restrict q, f
   }
   for (int64_t r = 0; r < rows; r++) {
     float* __restrict sg = scores + r * len;
-    const float inv = 1.f / softmax_numerators(sg, len);
+    if (stats != nullptr) stats[2 * r] = row_max(sg, len);
+    const float sum = softmax_numerators(sg, len), inv = 1.f / sum;
+    if (stats != nullptr) stats[2 * r + 1] = sum;
     for (int64_t t = 0; t < len; t++) sg[t] *= inv;
   }
   std::fill(acc, acc + rows * dim, 0.f);
@@ -154,37 +156,77 @@ extern "C" void pd_paged_decode(const float* kv, const float* q, float* out,
                                 int64_t max_blocks, const int64_t* strides, int64_t kv_heads,
                                 int64_t group, int64_t dim, int64_t q_stride, float scale) {
   // A sequence is one item with all its KV heads, unless there are too few sequences to keep
-  // every thread busy; then each KV head is an item.
-  const int64_t threads = at::get_num_threads();
+  // every thread busy; then each KV head is an item, and if that still leaves fewer than two
+  // items a thread, each context is cut into chunks of whole blocks (at least kMinChunk tokens),
+  // each chunk's softmax taken alone and the chunks merged by their maxima and sums after.
+  constexpr int64_t kMinChunk = 256;
+  const int64_t threads = at::get_num_threads(), bs = strides[4];
   const int64_t split = batch >= 2 * threads ? 1 : kv_heads, nh = kv_heads / split;
-  const int64_t items = batch * split;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; b++) longest = std::max(longest, lens[b]);
+  const int64_t chunks = split == 1 ? 1 : std::max<int64_t>(1, std::min((2 * threads + batch * split - 1) / (batch * split),
+                                                                           longest / kMinChunk));
+  const int64_t items = batch * split * chunks;
+  // Item i: sequence i / (split * chunks), KV heads ((i / chunks) % split) * nh.., chunk i % chunks.
+  auto first_block = [&](int64_t i) {
+    const int64_t nb = (lens[i / (split * chunks)] + bs - 1) / bs;
+    return (i % chunks) * ((nb + chunks - 1) / chunks);
+  };
+  auto tokens = [&](int64_t i) {
+    const int64_t len = lens[i / (split * chunks)], nb = (len + bs - 1) / bs, per = (nb + chunks - 1) / chunks;
+    return std::max<int64_t>(0, std::min(len, (i % chunks + 1) * per * bs) - first_block(i) * bs);
+  };
   // Split the items into contiguous runs of about equal total length, one run per thread.
   std::vector<int64_t> bounds{0};
-  int64_t work = 0, done = 0, longest = 0;
-  for (int64_t b = 0; b < batch; b++) { work += lens[b] * split; longest = std::max(longest, lens[b]); }
+  int64_t work = 0, done = 0;
+  for (int64_t i = 0; i < items; i++) work += tokens(i);
   const int64_t runs = work * nh * dim < kSerialElems ? 1 : std::max<int64_t>(1, std::min(threads, items));
   for (int64_t i = 0; i < items && (int64_t)bounds.size() < runs; i++) {
-    done += lens[i / split];
+    done += tokens(i);
     if (done * runs >= work * (int64_t)bounds.size()) bounds.push_back(i + 1);
   }
   while ((int64_t)bounds.size() <= runs) bounds.push_back(items);
   bounds.back() = items;
+  const int64_t rows = nh * group;  // query heads of an item
+  std::vector<float> parts(chunks > 1 ? items * rows * dim : 0), stats(chunks > 1 ? items * rows * 2 : 0);
   at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> scores(nh * group * longest), acc(nh * group * dim);
+    std::vector<float> scores(rows * longest), acc(rows * dim);
     for (int64_t r = r0; r < r1; r++)
       for (int64_t i = bounds[r]; i < bounds[r + 1]; i++) {
-        const int64_t b = i / split, h0 = (i % split) * nh;
+        const int64_t len = tokens(i);
+        if (len == 0) continue;
+        const int64_t b = i / (split * chunks), h0 = ((i / chunks) % split) * nh;
         const float* qi = q + b * q_stride + h0 * group * dim;
-        float* oi = out + (b * kv_heads + h0) * group * dim;
-        const int64_t* ti = tables + b * max_blocks;
+        float* oi = chunks > 1 ? parts.data() + i * rows * dim : out + (b * kv_heads + h0) * group * dim;
+        float* st = chunks > 1 ? stats.data() + i * rows * 2 : nullptr;
+        const int64_t* ti = tables + b * max_blocks + first_block(i);
         if (dim == 64)
-          decode_item<64>(kv, qi, oi, ti, lens[b], h0, nh, strides, group, dim, scale, scores.data(), acc.data());
+          decode_item<64>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores.data(), acc.data(), st);
         else if (dim == 128)
-          decode_item<128>(kv, qi, oi, ti, lens[b], h0, nh, strides, group, dim, scale, scores.data(), acc.data());
+          decode_item<128>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores.data(), acc.data(), st);
         else
-          decode_item<0>(kv, qi, oi, ti, lens[b], h0, nh, strides, group, dim, scale, scores.data(), acc.data());
+          decode_item<0>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores.data(), acc.data(), st);
       }
   });
+  if (chunks == 1) return;
+  for (int64_t first = 0; first < items; first += chunks) {  // one (sequence, KV heads) at a time
+    const int64_t b = first / (split * chunks), h0 = ((first / chunks) % split) * nh;
+    for (int64_t r = 0; r < rows; r++) {
+      float m = -INFINITY, total = 0.f;
+      for (int64_t i = first; i < first + chunks; i++)
+        if (tokens(i) > 0) m = std::max(m, stats[(i * rows + r) * 2]);
+      float* o = out + (b * kv_heads + h0) * group * dim + r * dim;
+      std::fill(o, o + dim, 0.f);
+      for (int64_t i = first; i < first + chunks; i++) {
+        if (tokens(i) == 0) continue;
+        const float w = stats[(i * rows + r) * 2 + 1] * std::exp(stats[(i * rows + r) * 2] - m);
+        total += w;
+        const float* p = parts.data() + (i * rows + r) * dim;
+        for (int64_t d = 0; d < dim; d++) o[d] += w * p[d];
+      }
+      for (int64_t d = 0; d < dim; d++) o[d] /= total;
+    }
+  }
 }
 
 // The new tokens' K and V (rows of `row` floats: kv_heads * head_dim, at strides k_stride and
