@@ -21,7 +21,6 @@ import ctypes
 
 import torch
 
-from pdinfer.layers.cpu_kernels import quant_stream_rows
 from pdinfer.layers.cpu_linear import SMALL_GEMM_MAX_ROWS, PackedLinear
 
 
@@ -42,7 +41,7 @@ class _Stack(ctypes.Structure):
     _fields_ = [("layers", ctypes.POINTER(_Layer)), ("num_layers", ctypes.c_int64),
                 ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("rot", ctypes.c_int64),
-                ("stream_rows", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -71,7 +70,7 @@ class DecodeStack:
                    _linear(la.mlp.gate_up_proj), _linear(la.mlp.down_proj))
             for la in layers])
         self._stack = _Stack(self._layers, len(layers), spec.hidden_size, spec.num_heads, spec.num_kv_heads,
-                             spec.head_dim, spec.intermediate_size, model.rotary.rotary_dim, quant_stream_rows(lib),
+                             spec.head_dim, spec.intermediate_size, model.rotary.rotary_dim,
                              layers[0].input_layernorm.eps, layers[0].self_attn.backend.scale)
         self._lib = lib
         self.max_rows = max_rows

@@ -26,10 +26,11 @@
 
 ~900 lines of C++ (AVX-512 or AVX2 through one small wrapper, ``csrc/simd.h``, and one FMA
 register tile, ``csrc/tile.h``; plain loops otherwise; ``-march=native`` picks), compiled with
-the system ``g++`` against ATen's threading header only (``at::parallel_for`` shares torch's OpenMP pool), in a few seconds, once per
-machine: the library is cached under ``PDINFER_CACHE_DIR`` keyed by source, flags, torch
-version and CPU flags, and loaded with ``ctypes``. Without a compiler, or when building or
-loading fails, ``load()`` returns None and callers use plain torch.
+the system ``g++`` against ATen's threading header only (``at::parallel_for`` shares torch's
+OpenMP pool), in a few seconds, once per machine: the library is cached under
+``PDINFER_CACHE_DIR`` keyed by source, flags, torch version and CPU flags, and loaded with
+``ctypes``. Without a compiler, or when building or loading fails, ``load()`` returns None and
+callers use plain torch.
 """
 
 from __future__ import annotations

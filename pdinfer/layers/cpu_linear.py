@@ -9,8 +9,7 @@ faster still. Only float32 on CPU is packed; anything else keeps ``nn.Linear``.
 Weights that came from a GGUF file as Q4_0/Q4_1/Q8_0 blocks also keep those blocks
 (``QuantWeight``): up to ``QuantWeight.max_rows`` rows ``pd_quant_gemm`` reads them instead of
 the floats, streaming the blocks past the input rows up to ``cpu_kernels.quant_stream_rows``
-rows (4 with AVX-512, 8 with AVX2); above
-that ``pd_quant_gemm_tiled`` reads a second copy of the blocks laid out by tiles of 32 weight
+rows (4 with AVX-512, 8 with AVX2); above that ``pd_quant_gemm_tiled`` reads a second copy of the blocks laid out by tiles of 32 weight
 rows (``QuantWeight.tiles``, built at load) and de-quantizes 256 input positions of a tile at a
 time into an L1 panel for a register kernel (8 x 32 with AVX-512, 6 x 16 with AVX2). The
 de-quantized values are bit-identical to the float weights (checked when the blocks are

@@ -44,9 +44,11 @@ static inline float row_max(const float* __restrict x, int64_t n) {
   return m;
 }
 
-// x[0..n) -> exp(x - max x) in place, the softmax's numerators; returns their sum.
-static inline float softmax_numerators(float* __restrict x, int64_t n) {
+// x[0..n) -> exp(x - max x) in place, the softmax's numerators; returns their sum (and the
+// max in *max_out when asked).
+static inline float softmax_numerators(float* __restrict x, int64_t n, float* max_out = nullptr) {
   const float m = row_max(x, n);
+  if (max_out != nullptr) *max_out = m;
   float sum = 0.f;
   for (int64_t t = 0; t < n; t++) { x[t] = exp_nonpositive(x[t] - m); sum += x[t]; }
   return sum;
@@ -132,8 +134,7 @@ static void decode_item(const float* __restrict kv, const float* __restrict q, f
   }
   for (int64_t r = 0; r < rows; r++) {
     float* __restrict sg = scores + r * len;
-    if (stats != nullptr) stats[2 * r] = row_max(sg, len);
-    const float sum = softmax_numerators(sg, len), inv = 1.f / sum;
+    const float sum = softmax_numerators(sg, len, stats != nullptr ? stats + 2 * r : nullptr), inv = 1.f / sum;
     if (stats != nullptr) stats[2 * r + 1] = sum;
     for (int64_t t = 0; t < len; t++) sg[t] *= inv;
   }
@@ -188,7 +189,10 @@ extern "C" void pd_paged_decode(const float* kv, const float* q, float* out,
   while ((int64_t)bounds.size() <= runs) bounds.push_back(items);
   bounds.back() = items;
   const int64_t rows = nh * group;  // query heads of an item
+  // Per chunk and query head: its normalized output, and (max, sum); an empty chunk keeps
+  // (-inf, 0) and zeros, so it weighs nothing in the merge.
   std::vector<float> parts(chunks > 1 ? items * rows * dim : 0), stats(chunks > 1 ? items * rows * 2 : 0);
+  for (size_t i = 0; i < stats.size(); i += 2) stats[i] = -INFINITY;
   at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> scores(rows * longest), acc(rows * dim);
     for (int64_t r = r0; r < r1; r++)
@@ -213,12 +217,10 @@ extern "C" void pd_paged_decode(const float* kv, const float* q, float* out,
     const int64_t b = first / (split * chunks), h0 = ((first / chunks) % split) * nh;
     for (int64_t r = 0; r < rows; r++) {
       float m = -INFINITY, total = 0.f;
-      for (int64_t i = first; i < first + chunks; i++)
-        if (tokens(i) > 0) m = std::max(m, stats[(i * rows + r) * 2]);
+      for (int64_t i = first; i < first + chunks; i++) m = std::max(m, stats[(i * rows + r) * 2]);
       float* o = out + (b * kv_heads + h0) * group * dim + r * dim;
       std::fill(o, o + dim, 0.f);
       for (int64_t i = first; i < first + chunks; i++) {
-        if (tokens(i) == 0) continue;
         const float w = stats[(i * rows + r) * 2 + 1] * std::exp(stats[(i * rows + r) * 2] - m);
         total += w;
         const float* p = parts.data() + (i * rows + r) * dim;

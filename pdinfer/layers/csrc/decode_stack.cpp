@@ -24,9 +24,10 @@ void pd_quant_gemm(const float* x, const uint8_t* qs, const float* d, const floa
                    float* y, int64_t m, int64_t n, int64_t k);
 void pd_quant_gemm_tiled(const float* x, const uint8_t* qt, const float* dt, const float* mt,
                          const float* bias, float* y, int64_t m, int64_t n, int64_t k);
+int64_t pd_quant_stream_rows();
 }
 
-// One linear layer as PackedLinear runs it for `stream_rows` rows or fewer: the row-streaming
+// One linear layer as PackedLinear runs it: up to pd_quant_stream_rows() rows the row-streaming
 // GEMM over GGUF blocks (qs != nullptr), else the small float GEMM; above that the tiled GEMM
 // (blocks only; the caller never sends more rows than it allows).
 struct PdLinear {
@@ -51,14 +52,14 @@ struct PdLayer {
 
 struct PdStack {
   const PdLayer* layers;
-  int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, rot, stream_rows;
+  int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, rot;
   float eps, scale;
 };
 
-static void linear(const PdLinear& l, const float* x, float* y, int64_t m, int64_t stream_rows) {
+static void linear(const PdLinear& l, const float* x, float* y, int64_t m) {
   if (l.qs == nullptr)
     pd_small_gemm(x, l.weight, l.bias, y, m, l.n, l.k);
-  else if (m <= stream_rows)
+  else if (m <= pd_quant_stream_rows())
     pd_quant_gemm(x, l.qs, l.d, l.mn, l.bias, y, m, l.n, l.k);
   else
     pd_quant_gemm_tiled(x, l.qt, l.dt, l.mt, l.bias, y, m, l.n, l.k);
@@ -84,7 +85,7 @@ extern "C" void pd_decode_stack(const PdStack* s, float* x, int64_t tokens, floa
     const PdLayer& L = s->layers[i];
     float* layer_kv = kv + i * layer_stride;
     pd_rms_norm(x, H, L.input_norm, normed.data(), T, H, s->eps);
-    linear(L.qkv, normed.data(), qkv.data(), T, s->stream_rows);
+    linear(L.qkv, normed.data(), qkv.data(), T);
     float *q = qkv.data(), *k = q + q_size, *v = k + kv_size;
     if (L.q_norm != nullptr)
       for (int64_t t = 0; t < T; t++) {  // in place: each row is read before it is written
@@ -95,12 +96,12 @@ extern "C" void pd_decode_stack(const PdStack* s, float* x, int64_t tokens, floa
     pd_write_kv(layer_kv, slots, k, qkv_w, v, qkv_w, T, kv_size, strides[4]);
     pd_paged_decode(layer_kv, q, attn.data(), tables, lens, T, max_blocks, strides, s->kv_heads,
                     s->heads / s->kv_heads, D, qkv_w, s->scale);
-    linear(L.o, attn.data(), h.data(), T, s->stream_rows);
+    linear(L.o, attn.data(), h.data(), T);
     add_into(x, h.data(), T * H);
     pd_rms_norm(x, H, L.post_norm, normed.data(), T, H, s->eps);
-    linear(L.gate_up, normed.data(), gate_up.data(), T, s->stream_rows);
+    linear(L.gate_up, normed.data(), gate_up.data(), T);
     pd_silu_and_mul(gate_up.data(), 2 * s->intermediate, act.data(), T, s->intermediate);
-    linear(L.down, act.data(), h.data(), T, s->stream_rows);
+    linear(L.down, act.data(), h.data(), T);
     add_into(x, h.data(), T * H);
   }
 }
