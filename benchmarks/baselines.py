@@ -137,13 +137,14 @@ def run_transformers(
     print(f"[transformers] model loaded in {load_s:.1f}s; warming up")
     _hf_generate(model, prompts[:2], 4, pad_id)  # first call pays one-off kernel/allocator setup
 
-    out_tokens = 0
+    out_tokens, token_ids = 0, []
     start = time.perf_counter()
     with tqdm(total=len(prompts) * max_new_tokens, desc="transformers", unit="tok") as bar:
         for i in range(0, len(prompts), batch_size):
             new = _hf_generate(model, prompts[i : i + batch_size], max_new_tokens, pad_id)
             assert new.shape[1] == max_new_tokens, f"generated {new.shape[1]} tokens"
             out_tokens += new.numel()
+            token_ids += new.tolist()
             bar.update(new.numel())
     total_s = time.perf_counter() - start
 
@@ -164,6 +165,7 @@ def run_transformers(
         "output_tok_s": out_tokens / total_s,
         "bs1_decode_tok_s": (max_new_tokens - 1) / (t_all - t_first),
         "prefill_tok_s": len(prefill_prompt) / t_prefill,
+        "token_ids": token_ids,
     }
 
 
@@ -229,12 +231,13 @@ def run_llamacpp(
     print(f"[llama.cpp] model loaded in {load_s:.1f}s; warming up")
     _llama_greedy(llm, prompts[0], 4, eos_id)
 
-    out_tokens, prefill_total = 0, 0.0
+    out_tokens, prefill_total, token_ids = 0, 0.0, []
     start = time.perf_counter()
     for prompt in tqdm(prompts, desc="llama.cpp", unit="prompt"):
         prefill_s, _, new = _llama_greedy(llm, prompt, max_new_tokens, eos_id)
         assert len(new) == max_new_tokens
         out_tokens += len(new)
+        token_ids.append(new)
         prefill_total += prefill_s
     total_s = time.perf_counter() - start
 
@@ -257,6 +260,7 @@ def run_llamacpp(
         "output_tok_s": out_tokens / total_s,
         "bs1_decode_tok_s": (max_new_tokens - 1) / decode_s,
         "prefill_tok_s": len(prefill_prompt) / t_prefill,
+        "token_ids": token_ids,
     }
 
 
@@ -297,8 +301,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     for res in results:  # raw figures, for RESULTS.md and later comparison
         name = res["backend"].replace(".", "")
-        (OUT_DIR / f"baseline-{name}.json").write_text(json.dumps(res, indent=2) + "\n")
-        print(json.dumps(res))
+        (OUT_DIR / f"baseline-{name}.json").write_text(json.dumps(res) + "\n")
+        print(json.dumps({k: v for k, v in res.items() if k != "token_ids"}))
     workload.print_table(results, TABLE_HEADERS)
     return results
 

