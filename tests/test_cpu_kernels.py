@@ -63,19 +63,21 @@ def _random_cache(head_dim: int, lengths: list[int], seed: int):
     return kv, [[free.pop() for _ in range(-(-n // BLOCK))] for n in lengths], gen
 
 
-def _decode_case(head_dim: int, group: int, lengths: list[int], seed: int = 0):
-    """A random KV cache, shuffled block tables, queries, and the SDPA reference output."""
+def _decode_case(head_dim: int, group: int, lengths: list[int], seed: int = 0, dtype=torch.float32):
+    """A random KV cache, shuffled block tables, queries, and the SDPA reference output (float32
+    arithmetic on the values the cache holds, whatever its ``dtype``)."""
     kv, tables, gen = _random_cache(head_dim, lengths, seed)
     heads = KV_HEADS * group
     wide = torch.randn(len(lengths), heads + 4, head_dim, generator=gen)
+    kv, wide = kv.to(dtype), wide.to(dtype)
     q = wide[:, :heads]  # strided rows, as a slice of a fused projection
     layer = 1
     ref = []
     for i, n in enumerate(lengths):
-        blocks = kv[tables[i], layer]  # [nb, 2, BLOCK, KVH, D]
+        blocks = kv[tables[i], layer].float()  # [nb, 2, BLOCK, KVH, D]
         k = blocks[:, 0].reshape(-1, KV_HEADS, head_dim)[:n].transpose(0, 1)[None]
         v = blocks[:, 1].reshape(-1, KV_HEADS, head_dim)[:n].transpose(0, 1)[None]
-        out = F.scaled_dot_product_attention(q[i][None, :, None], k, v, enable_gqa=group > 1)
+        out = F.scaled_dot_product_attention(q[i].float()[None, :, None], k, v, enable_gqa=group > 1)
         ref.append(out.view(heads, head_dim))
     inp = StepInput(step_id=0, is_prompt=False, input_ids=[0] * len(lengths),
                     positions=[n - 1 for n in lengths], query_lens=[1] * len(lengths),
@@ -122,6 +124,19 @@ def test_native_decode_splits_long_contexts_into_chunks(kernel_paths, threads, l
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+# A bfloat16 cache (a bfloat16 model's): the kernels widen its values to float32 exactly and do
+# float32 arithmetic, so the output is the float32 reference's, rounded once to bfloat16.
+BF16_ROUNDING = {"rtol": 2**-8, "atol": 1e-6}
+
+
+@pytest.mark.parametrize("lengths", [[1, 5, 17, 64, 3, 40, 33], [9], [2000, 3]])
+def test_native_decode_reads_a_bfloat16_cache(kernel_paths, lengths):
+    kv, layer, q, inp, ref = _decode_case(64, 3, lengths, seed=3, dtype=torch.bfloat16)
+    out = _run_decode(kv, layer, q, inp, kernel_paths)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, **BF16_ROUNDING)
+
+
 @pytest.mark.parametrize("lengths", [[9], [1, 5, 17, 64, 3, 40, 33], [100, 2, 2, 2, 70]])
 def test_torch_decode_fallback_matches_sdpa(lengths):
     kv, layer, q, inp, ref = _decode_case(64, 3, lengths, seed=1)
@@ -129,20 +144,23 @@ def test_torch_decode_fallback_matches_sdpa(lengths):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def _prefill_case(head_dim: int, group: int, query_lens: list[int], context_lens: list[int], seed: int = 0):
+def _prefill_case(head_dim: int, group: int, query_lens: list[int], context_lens: list[int], seed: int = 0,
+                  dtype=torch.float32):
     """A prefill step: random cached prefixes (context - query tokens), new tokens' Q/K/V, and the
-    SDPA reference (each query at its position, causal over prefix + new tokens)."""
+    SDPA reference (each query at its position, causal over prefix + new tokens; float32
+    arithmetic on the ``dtype`` values)."""
     kv, tables, gen = _random_cache(head_dim, context_lens, seed)
     heads, tokens = KV_HEADS * group, sum(query_lens)
     wide = torch.randn(tokens, heads + 2 * KV_HEADS, head_dim, generator=gen)  # a fused QKV output
+    kv, wide = kv.to(dtype), wide.to(dtype)
     q, k_new, v_new = wide.split([heads, KV_HEADS, KV_HEADS], dim=1)
     layer, start, ref = 2, 0, []
     for qlen, ctx, table in zip(query_lens, context_lens, tables):
-        cached = kv[table, layer].transpose(0, 1).reshape(2, -1, KV_HEADS, head_dim)[:, : ctx - qlen]
-        k = torch.cat([cached[0], k_new[start : start + qlen]]).transpose(0, 1)[None]
-        v = torch.cat([cached[1], v_new[start : start + qlen]]).transpose(0, 1)[None]
+        cached = kv[table, layer].float().transpose(0, 1).reshape(2, -1, KV_HEADS, head_dim)[:, : ctx - qlen]
+        k = torch.cat([cached[0], k_new[start : start + qlen].float()]).transpose(0, 1)[None]
+        v = torch.cat([cached[1], v_new[start : start + qlen].float()]).transpose(0, 1)[None]
         mask = torch.arange(ctx)[None] <= torch.arange(ctx - qlen, ctx)[:, None]
-        out = F.scaled_dot_product_attention(q[start : start + qlen].transpose(0, 1)[None], k, v,
+        out = F.scaled_dot_product_attention(q[start : start + qlen].float().transpose(0, 1)[None], k, v,
                                              attn_mask=mask, enable_gqa=group > 1)
         ref.append(out[0].transpose(0, 1))
         start += qlen
@@ -170,6 +188,20 @@ def test_native_prefill_matches_sdpa(kernel_paths, head_dim, group, query_lens, 
     kv, layer, backend, (q, k, v), inp, ref = _prefill_case(head_dim, group, query_lens, context_lens)
     out = backend.forward(q, k, v, kv[:, layer], build_attention_metadata(inp, kv, kernel_paths))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim,group,query_lens,context_lens", _PREFILL_CASES[:3])
+def test_native_prefill_reads_a_bfloat16_cache(kernel_paths, head_dim, group, query_lens, context_lens):
+    kv, layer, backend, (q, k, v), inp, ref = _prefill_case(head_dim, group, query_lens, context_lens,
+                                                            seed=3, dtype=torch.bfloat16)
+    out = backend.forward(q, k, v, kv[:, layer], build_attention_metadata(inp, kv, kernel_paths))
+    assert out.dtype == torch.bfloat16
+    # The new tokens' K/V went into the cache as they were (bfloat16 in, bfloat16 out).
+    rows = [t[(p // BLOCK)] for t, (qlen, ctx) in zip(inp.block_tables, zip(query_lens, context_lens))
+            for p in range(ctx - qlen, ctx)]
+    offsets = [p % BLOCK for qlen, ctx in zip(query_lens, context_lens) for p in range(ctx - qlen, ctx)]
+    assert torch.equal(kv[rows, layer, 0, offsets], k) and torch.equal(kv[rows, layer, 1, offsets], v)
+    torch.testing.assert_close(out.float(), ref, **BF16_ROUNDING)
 
 
 @pytest.mark.parametrize("head_dim,group,query_lens,context_lens", _PREFILL_CASES[:2])

@@ -97,10 +97,10 @@ def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ct
         lib = ctypes.CDLL(str(path))
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         for name, argtypes in [
-            ("pd_paged_decode", [ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, f32]),
+            ("pd_paged_decode", [ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, i64]),
             ("pd_prefill_attention", [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64,
-                                      i64, i64, f32]),
-            ("pd_write_kv", [ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64]),
+                                      i64, i64, f32, i64]),
+            ("pd_write_kv", [ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64]),
             ("pd_small_gemm", [ptr, ptr, ptr, ptr, i64, i64, i64]),
             ("pd_quant_gemm", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
             ("pd_quant_gemm_tiled", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
@@ -150,44 +150,60 @@ def _cpu_id() -> str:
     return platform.processor()
 
 
+# The KV cache dtypes the attention kernels read (their arithmetic is float32 either way).
+KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _kv_bf16(layer_cache: torch.Tensor) -> int:
+    if layer_cache.dtype not in KV_DTYPES:
+        raise ValueError(f"the native attention kernels read float32 or bfloat16 KV caches, not {layer_cache.dtype}")
+    return int(layer_cache.dtype == torch.bfloat16)
+
+
 def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, strides: torch.Tensor,
                  scale: float) -> torch.Tensor:
-    """q [B, H, D] (rows may be strided) -> out [B, H, D]; ``strides`` from ``kv_strides``."""
+    """q [B, H, D] (rows may be strided) -> out [B, H, D] in q's dtype; ``strides`` from
+    ``kv_strides``. A bfloat16 q is widened to float32 for the kernel, and its output rounded
+    back."""
     batch, heads, dim = q.shape
     kv_heads = layer_cache.shape[3]
-    q = _head_rows(q)
-    out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
-    lib.pd_paged_decode(layer_cache.data_ptr(), q.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
+    kv_bf16 = _kv_bf16(layer_cache)
+    q32 = _head_rows(q.float())
+    out = torch.empty(batch, heads, dim, dtype=torch.float32, device=q.device)
+    lib.pd_paged_decode(layer_cache.data_ptr(), q32.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
                         context_lens.data_ptr(), batch, block_tables.shape[1], strides.data_ptr(),
-                        kv_heads, heads // kv_heads, dim, q.stride(0), scale)
-    return out
+                        kv_heads, heads // kv_heads, dim, q32.stride(0), scale, kv_bf16)
+    return out.to(q.dtype)
 
 
 def write_kv(lib: ctypes.CDLL, layer_cache: torch.Tensor, slot_rows: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
     """``torch_paged``'s two ``index_copy_`` of the new tokens' K/V [T, KVH, D] (rows may be
-    strided) into the layer's cache, in one native call."""
+    strided) into the layer's cache, in one native call (K/V cast to the cache's dtype first)."""
+    _kv_bf16(layer_cache)
     row = k.shape[1] * k.shape[2]
-    k, v = _head_rows(k), _head_rows(v)
+    k, v = _head_rows(k.to(layer_cache.dtype)), _head_rows(v.to(layer_cache.dtype))
     lib.pd_write_kv(layer_cache.data_ptr(), slot_rows.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(),
-                    v.stride(0), k.shape[0], row, layer_cache.shape[2])
+                    v.stride(0), k.shape[0], row, layer_cache.shape[2], layer_cache.element_size())
 
 
 def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
                       context_lens: torch.Tensor, strides: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of a prefill step's queries q [T, H, D] (rows may be strided) over each
-    sequence's context in the cache, its new K/V already written -> out [T, H, D]."""
+    sequence's context in the cache, its new K/V already written -> out [T, H, D] in q's dtype
+    (float32 arithmetic, as ``paged_decode``)."""
     tokens, heads, dim = q.shape
     kv_heads = layer_cache.shape[3]
-    q = _head_rows(q)
-    out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
-    lib.pd_prefill_attention(layer_cache.data_ptr(), strides.data_ptr(), q.data_ptr(), q.stride(0),
+    kv_bf16 = _kv_bf16(layer_cache)
+    q32 = _head_rows(q.float())
+    out = torch.empty(tokens, heads, dim, dtype=torch.float32, device=q.device)
+    lib.pd_prefill_attention(layer_cache.data_ptr(), strides.data_ptr(), q32.data_ptr(), q32.stride(0),
                              out.data_ptr(), out.stride(0), block_tables.data_ptr(),
                              query_starts.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(),
-                             len(query_lens), block_tables.shape[1], heads, kv_heads, dim, scale)
-    return out
+                             len(query_lens), block_tables.shape[1], heads, kv_heads, dim, scale, kv_bf16)
+    return out.to(q.dtype)
 
 
 def _head_rows(x: torch.Tensor) -> torch.Tensor:

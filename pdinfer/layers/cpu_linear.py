@@ -155,6 +155,9 @@ def onednn_packing_available() -> bool:
 class PackedLinear(nn.Module):
     """``F.linear(x, weight, bias)`` with a oneDNN-reordered copy of ``weight``.
 
+    Float32 weights also take the native small GEMM (a few rows) and a GGUF model's quantized
+    blocks; bfloat16 weights run oneDNN's bf16 GEMM (float32 accumulation) for every row count.
+
     Holds the original parameters under the same names (state dicts are unchanged); the packed
     copy is not a parameter, so it must be rebuilt (``repack``) if the weights change.
     """
@@ -164,7 +167,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.weight = weight
         self.bias = bias
-        self.kernels = kernels if weight.is_contiguous() else None  # ``cpu_kernels.load()``
+        # ``cpu_kernels.load()``: the native GEMMs take float32 rows only
+        self.kernels = kernels if weight.is_contiguous() and weight.dtype == torch.float32 else None
         self.quant = quant if kernels is not None else None
         if self.quant is not None:
             _ = self.quant.tiles  # built at load, not in the first large decode step
@@ -182,7 +186,8 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, kernels=None, quantized: dict[str, QuantWeight] | None = None) -> int:
-    """Replace every float32 CPU ``nn.Linear`` of ``model`` by a ``PackedLinear``; the count.
+    """Replace every float32 (and, where oneDNN has bf16 GEMMs, bfloat16) CPU ``nn.Linear`` of
+    ``model`` by a ``PackedLinear``; the count.
 
     A model whose ``lm_head`` is None ties it to ``embed_tokens`` (see models/llama.py); it gets
     a packed head over the embedding weight, so call this only after the weights are loaded.
@@ -201,14 +206,15 @@ def pack_linears(model: nn.Module, kernels=None, quantized: dict[str, QuantWeigh
             return None
         return quant
 
+    dtypes = {torch.float32} | ({torch.bfloat16} if torch.ops.mkldnn._is_mkldnn_bf16_supported() else set())
     embed = getattr(model, "embed_tokens", None)
     if getattr(model, "lm_head", False) is None and isinstance(embed, nn.Embedding):
         weight = embed.weight
-        if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        if weight.device.type == "cpu" and weight.dtype in dtypes:
             model.lm_head = PackedLinear(weight, None, kernels, quant_for("embed_tokens.weight", weight))
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is nn.Linear and module.weight.device.type == "cpu"
-               and module.weight.dtype == torch.float32]
+               and module.weight.dtype in dtypes]
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -43,12 +43,13 @@ class ModelRunner:
         self.engine_type = engine_type
         self.model = build_model(spec, folder, load_format, dtype, device, seed)
         self.native_kernels = None
-        if device.type == "cpu" and dtype == torch.float32:
+        if device.type == "cpu" and dtype in cpu_kernels.KV_DTYPES:
             # Native kernels (None: plain torch) for attention and small linears, then oneDNN-packed linears (faster than F.linear),
-            # which also read a GGUF model's quantized blocks in small decode steps.
+            # which also read a GGUF model's quantized blocks in small decode steps (float32 only:
+            # a bfloat16 model runs every linear through oneDNN's bf16 GEMM).
             self.native_kernels = cpu_kernels.load(env.get("PDINFER_CACHE_DIR"))
             use_blocks = (self.native_kernels is not None and load_format != "dummy"
-                          and env.get("PDINFER_CPU_QUANT_GEMM"))
+                          and dtype == torch.float32 and env.get("PDINFER_CPU_QUANT_GEMM"))
             pack_linears(self.model, self.native_kernels, load_quantized_blocks(folder) if use_blocks else None)
             if env.get("PDINFER_CPU_DECODE_STACK") and hasattr(self.model, "decode_stack"):
                 self.model.decode_stack = DecodeStack.build(self.model, self.native_kernels)

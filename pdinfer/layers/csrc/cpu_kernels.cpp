@@ -60,18 +60,21 @@ static inline int64_t round_up(int64_t x, int64_t multiple) { return (x + multip
 // those heads' K/V, block by block; each query head's accumulators stay in registers over a
 // block's tokens (the block's K or V, 16 tokens x nh heads, stays in L1 meanwhile), and the next
 // block is prefetched while this one is computed on.
-// s: strides of the layer view [blocks, 2, block_size, KVH, D] in floats (block, k->v, token,
-// head) and the block size. DIM > 0 fixes head_dim at compile time (full unrolling).
+// s: strides of the layer view [blocks, 2, block_size, KVH, D] in cache elements (block, k->v,
+// token, head) and the block size. DIM > 0 fixes head_dim at compile time (full unrolling).
+// T: the cache's element, float or bfloat16 bits (uint16_t); the arithmetic is float32 either way.
 // Every cache line of the next block is prefetched (measured faster than one line per row or none).
-static inline void prefetch_block(const float* base, int64_t n, int64_t nh, const int64_t* s, int64_t dim) {
+template <typename T>
+static inline void prefetch_block(const T* base, int64_t n, int64_t nh, const int64_t* s, int64_t dim) {
+  constexpr int64_t line = 64 / sizeof(T);
   for (int64_t o = 0; o < n; o++)
     for (int64_t hh = 0; hh < nh; hh++)
-      for (int64_t c = 0; c < dim; c += 16) __builtin_prefetch(base + o * s[2] + hh * s[3] + c);
+      for (int64_t c = 0; c < dim; c += line) __builtin_prefetch(base + o * s[2] + hh * s[3] + c);
 }
 
 // out[o] = scale * (qg . k[o]) for the n rows k[o] = k + o * stride.
-template <int DIM>
-static inline void block_scores(const float* __restrict qg, const float* __restrict k, int64_t n,
+template <int DIM, typename T>
+static inline void block_scores(const float* __restrict qg, const T* __restrict k, int64_t n,
                                 int64_t stride, int64_t dim, float scale, float* __restrict out) {
 #if PD_SIMD
   if constexpr (DIM > 0 && DIM % Simd::W == 0) {
@@ -79,7 +82,7 @@ static inline void block_scores(const float* __restrict qg, const float* __restr
     Simd::V qr[NV];
     for (int v = 0; v < NV; v++) qr[v] = Simd::load(qg + v * Simd::W);
     for (int64_t o = 0; o < n; o++) {
-      const float* __restrict ko = k + o * stride;
+      const T* __restrict ko = k + o * stride;
       Simd::V p = Simd::mul(qr[0], Simd::load(ko));
       for (int v = 1; v < NV; v++) p = Simd::fma(qr[v], Simd::load(ko + v * Simd::W), p);
       out[o] = Simd::sum(p) * scale;
@@ -89,14 +92,14 @@ static inline void block_scores(const float* __restrict qg, const float* __restr
 #endif
   for (int64_t o = 0; o < n; o++) {
     float dot = 0.f;
-    for (int64_t d = 0; d < dim; d++) dot += qg[d] * k[o * stride + d];
+    for (int64_t d = 0; d < dim; d++) dot += qg[d] * to_f32(k[o * stride + d]);
     out[o] = dot * scale;
   }
 }
 
 // acc += sum over o of p[o] * v[o] for the n rows v[o] = v + o * stride.
-template <int DIM>
-static inline void block_accumulate(const float* __restrict p, const float* __restrict v, int64_t n,
+template <int DIM, typename T>
+static inline void block_accumulate(const float* __restrict p, const T* __restrict v, int64_t n,
                                     int64_t stride, int64_t dim, float* __restrict acc) {
 #if PD_SIMD
   if constexpr (DIM > 0 && DIM % Simd::W == 0) {
@@ -112,25 +115,25 @@ static inline void block_accumulate(const float* __restrict p, const float* __re
   }
 #endif
   for (int64_t o = 0; o < n; o++)
-    for (int64_t d = 0; d < dim; d++) acc[d] += p[o] * v[o * stride + d];
+    for (int64_t d = 0; d < dim; d++) acc[d] += p[o] * to_f32(v[o * stride + d]);
 }
 
-template <int DIM>
-static void decode_item(const float* __restrict kv, const float* __restrict q, float* __restrict out,
+template <int DIM, typename T>
+static void decode_item(const T* __restrict kv, const float* __restrict q, float* __restrict out,
                         const int64_t* __restrict table, int64_t len, int64_t h0, int64_t nh,
                         const int64_t* s, int64_t group, int64_t dim_rt, float scale,
                         float* __restrict scores, float* __restrict acc, float* __restrict stats) {
   const int64_t dim = DIM > 0 ? DIM : dim_rt, bs = s[4], rows = nh * group;
   const int64_t nblocks = (len + bs - 1) / bs;
   for (int64_t j = 0, t0 = 0; j < nblocks; j++, t0 += bs) {
-    const float* __restrict base = kv + table[j] * s[0] + h0 * s[3];
+    const T* __restrict base = kv + table[j] * s[0] + h0 * s[3];
     const int64_t n = std::min(bs, len - t0);
     if (j + 1 < nblocks)
       prefetch_block(kv + table[j + 1] * s[0] + h0 * s[3], std::min(bs, len - t0 - bs), nh, s, dim);
     else  // the V rows of the first block come next
       prefetch_block(kv + table[0] * s[0] + s[1] + h0 * s[3], std::min(bs, len), nh, s, dim);
     for (int64_t r = 0; r < rows; r++)
-      block_scores<DIM>(q + r * dim, base + (r / group) * s[3], n, s[2], dim, scale, scores + r * len + t0);
+      block_scores<DIM, T>(q + r * dim, base + (r / group) * s[3], n, s[2], dim, scale, scores + r * len + t0);
   }
   for (int64_t r = 0; r < rows; r++) {
     float* __restrict sg = scores + r * len;
@@ -140,22 +143,20 @@ static void decode_item(const float* __restrict kv, const float* __restrict q, f
   }
   std::fill(acc, acc + rows * dim, 0.f);
   for (int64_t j = 0, t0 = 0; j < nblocks; j++, t0 += bs) {
-    const float* __restrict base = kv + table[j] * s[0] + s[1] + h0 * s[3];
+    const T* __restrict base = kv + table[j] * s[0] + s[1] + h0 * s[3];
     const int64_t n = std::min(bs, len - t0);
     if (j + 1 < nblocks)
       prefetch_block(kv + table[j + 1] * s[0] + s[1] + h0 * s[3], std::min(bs, len - t0 - bs), nh, s, dim);
     for (int64_t r = 0; r < rows; r++)
-      block_accumulate<DIM>(scores + r * len + t0, base + (r / group) * s[3], n, s[2], dim, acc + r * dim);
+      block_accumulate<DIM, T>(scores + r * len + t0, base + (r / group) * s[3], n, s[2], dim, acc + r * dim);
   }
   std::memcpy(out, acc, sizeof(float) * rows * dim);
 }
 
-// q: [B, H, D] (token stride q_stride, head stride D); out: [B, H, D] contiguous;
-// tables: [B, max_blocks]; strides: block, k->v, token-in-block, head, block_size.
-extern "C" void pd_paged_decode(const float* kv, const float* q, float* out,
-                                const int64_t* tables, const int64_t* lens, int64_t batch,
-                                int64_t max_blocks, const int64_t* strides, int64_t kv_heads,
-                                int64_t group, int64_t dim, int64_t q_stride, float scale) {
+template <typename T>
+static void paged_decode(const T* kv, const float* q, float* out, const int64_t* tables,
+                         const int64_t* lens, int64_t batch, int64_t max_blocks, const int64_t* strides,
+                         int64_t kv_heads, int64_t group, int64_t dim, int64_t q_stride, float scale) {
   // A sequence is one item with all its KV heads, unless there are too few sequences to keep
   // every thread busy; then each KV head is an item, and if that still leaves fewer than two
   // items a thread, each context is cut into chunks of whole blocks (at least kMinChunk tokens),
@@ -205,11 +206,11 @@ extern "C" void pd_paged_decode(const float* kv, const float* q, float* out,
         float* st = chunks > 1 ? stats.data() + i * rows * 2 : nullptr;
         const int64_t* ti = tables + b * max_blocks + first_block(i);
         if (dim == 64)
-          decode_item<64>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores.data(), acc.data(), st);
+          decode_item<64, T>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores.data(), acc.data(), st);
         else if (dim == 128)
-          decode_item<128>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores.data(), acc.data(), st);
+          decode_item<128, T>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores.data(), acc.data(), st);
         else
-          decode_item<0>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores.data(), acc.data(), st);
+          decode_item<0, T>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores.data(), acc.data(), st);
       }
   });
   if (chunks == 1) return;
@@ -231,17 +232,37 @@ extern "C" void pd_paged_decode(const float* kv, const float* q, float* out,
   }
 }
 
-// The new tokens' K and V (rows of `row` floats: kv_heads * head_dim, at strides k_stride and
-// v_stride) into the cache: token t's K row at layer + slots[t] * row, its V row block_size rows
-// further (the layout of torch_paged's row views).
-extern "C" void pd_write_kv(float* layer, const int64_t* slots, const float* k, int64_t k_stride,
-                            const float* v, int64_t v_stride, int64_t tokens, int64_t row,
-                            int64_t block_size) {
+// q: [B, H, D] float32 (token stride q_stride, head stride D); out: [B, H, D] float32, contiguous;
+// kv: the layer's cache, float32 or (kv_bf16) bfloat16; tables: [B, max_blocks]; strides:
+// block, k->v, token-in-block, head (in cache elements), block_size.
+extern "C" void pd_paged_decode(const void* kv, const float* q, float* out, const int64_t* tables,
+                                const int64_t* lens, int64_t batch, int64_t max_blocks,
+                                const int64_t* strides, int64_t kv_heads, int64_t group, int64_t dim,
+                                int64_t q_stride, float scale, int64_t kv_bf16) {
+  if (kv_bf16)
+    paged_decode(static_cast<const uint16_t*>(kv), q, out, tables, lens, batch, max_blocks, strides,
+                 kv_heads, group, dim, q_stride, scale);
+  else
+    paged_decode(static_cast<const float*>(kv), q, out, tables, lens, batch, max_blocks, strides,
+                 kv_heads, group, dim, q_stride, scale);
+}
+
+// The new tokens' K and V (rows of `row` elements of elem_bytes each: kv_heads * head_dim, at
+// strides k_stride and v_stride, in elements, of the cache's own dtype) into the cache: token t's
+// K row at layer + slots[t] * row, its V row block_size rows further (the layout of torch_paged's
+// row views).
+extern "C" void pd_write_kv(void* layer, const int64_t* slots, const void* k, int64_t k_stride,
+                            const void* v, int64_t v_stride, int64_t tokens, int64_t row,
+                            int64_t block_size, int64_t elem_bytes) {
+  auto* base = static_cast<char*>(layer);
+  const auto* kb = static_cast<const char*>(k);
+  const auto* vb = static_cast<const char*>(v);
+  const int64_t row_bytes = row * elem_bytes;
   at::parallel_for(0, tokens, std::max<int64_t>(1, kSerialElems / row), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
-      float* dst = layer + slots[t] * row;
-      std::memcpy(dst, k + t * k_stride, sizeof(float) * row);
-      std::memcpy(dst + block_size * row, v + t * v_stride, sizeof(float) * row);
+      char* dst = base + slots[t] * row_bytes;
+      std::memcpy(dst, kb + t * k_stride * elem_bytes, row_bytes);
+      std::memcpy(dst + block_size * row_bytes, vb + t * v_stride * elem_bytes, row_bytes);
     }
   });
 }
@@ -261,7 +282,8 @@ struct PrefillPack {
   int64_t kt, v, keys;  // offsets of the K and V panels in the pack buffer; keys padded to TILE
 };
 
-static void pack_kv(const float* kv, const int64_t* s, const int64_t* table, int64_t ctx, int64_t h,
+template <typename T>
+static void pack_kv(const T* kv, const int64_t* s, const int64_t* table, int64_t ctx, int64_t h,
                     int64_t dim, int64_t dpad, const PrefillPack& p, float* __restrict buf) {
   const int64_t bs = s[4];
   float* __restrict kt = buf + p.kt;
@@ -269,11 +291,11 @@ static void pack_kv(const float* kv, const int64_t* s, const int64_t* table, int
   for (int64_t t = 0; t < p.keys; t++) {
     float* __restrict kcol = kt + (t / TILE) * dpad * TILE + t % TILE;
     float* __restrict vrow = vp + t * TILE;
-    const float* __restrict row = t < ctx ? kv + table[t / bs] * s[0] + (t % bs) * s[2] + h * s[3] : nullptr;
+    const T* __restrict row = t < ctx ? kv + table[t / bs] * s[0] + (t % bs) * s[2] + h * s[3] : nullptr;
     for (int64_t d = 0; d < dpad; d++) {
       const bool in = row != nullptr && d < dim;
-      kcol[d * TILE] = in ? row[d] : 0.f;
-      vrow[(d / TILE) * p.keys * TILE + d % TILE] = in ? row[s[1] + d] : 0.f;
+      kcol[d * TILE] = in ? to_f32(row[d]) : 0.f;
+      vrow[(d / TILE) * p.keys * TILE + d % TILE] = in ? to_f32(row[s[1] + d]) : 0.f;
     }
   }
 }
@@ -312,14 +334,14 @@ static void prefill_item(const float* __restrict q, int64_t q_row, float* __rest
 
 // q: [T, H, D] (row stride q_row, head stride D), the step's query rows, sequence b's from
 // starts[b]; out: the same shape, row stride out_row. Sequence b has qlens[b] new tokens at the
-// end of its ctxs[b]-token context, whose K/V are already in the cache; tables [B, max_blocks];
-// strides as for pd_paged_decode.
-extern "C" void pd_prefill_attention(const float* kv, const int64_t* strides, const float* q,
+// end of its ctxs[b]-token context, whose K/V are already in the cache (float32 or, kv_bf16,
+// bfloat16; packed as float32); tables [B, max_blocks]; strides as for pd_paged_decode.
+extern "C" void pd_prefill_attention(const void* kv, const int64_t* strides, const float* q,
                                      int64_t q_row, float* out, int64_t out_row,
                                      const int64_t* tables, const int64_t* starts,
                                      const int64_t* qlens, const int64_t* ctxs, int64_t batch,
                                      int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim,
-                                     float scale) {
+                                     float scale, int64_t kv_bf16) {
   const int64_t group = heads / kv_heads, dpad = round_up(dim, TILE);
   std::vector<PrefillPack> packs(batch * kv_heads);
   int64_t size = 0, longest = 0;
@@ -335,9 +357,15 @@ extern "C" void pd_prefill_attention(const float* kv, const int64_t* strides, co
   if ((int64_t)buf.size() < size) buf.resize(size);
   float* packed = buf.data();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; i++)
-      pack_kv(kv, strides, tables + (i / kv_heads) * max_blocks, ctxs[i / kv_heads], i % kv_heads,
-              dim, dpad, packs[i], packed);
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t* table = tables + (i / kv_heads) * max_blocks;
+      if (kv_bf16)
+        pack_kv(static_cast<const uint16_t*>(kv), strides, table, ctxs[i / kv_heads], i % kv_heads, dim,
+                dpad, packs[i], packed);
+      else
+        pack_kv(static_cast<const float*>(kv), strides, table, ctxs[i / kv_heads], i % kv_heads, dim,
+                dpad, packs[i], packed);
+    }
   });
   struct Item { int64_t cost, seq, h, i0; };
   std::vector<Item> items;

@@ -13,11 +13,12 @@ void pd_rotary_qk(float* q, int64_t q_row, int64_t q_head, int64_t hq, float* k,
                   int64_t k_head, int64_t hk, const float* cos, const float* sin, int64_t cs_row,
                   int64_t tokens, int64_t rot);
 void pd_silu_and_mul(const float* x, int64_t x_stride, float* out, int64_t rows, int64_t n);
-void pd_write_kv(float* layer, const int64_t* slots, const float* k, int64_t k_stride, const float* v,
-                 int64_t v_stride, int64_t tokens, int64_t row, int64_t block_size);
-void pd_paged_decode(const float* kv, const float* q, float* out, const int64_t* tables,
+void pd_write_kv(void* layer, const int64_t* slots, const void* k, int64_t k_stride, const void* v,
+                 int64_t v_stride, int64_t tokens, int64_t row, int64_t block_size, int64_t elem_bytes);
+void pd_paged_decode(const void* kv, const float* q, float* out, const int64_t* tables,
                      const int64_t* lens, int64_t batch, int64_t max_blocks, const int64_t* strides,
-                     int64_t kv_heads, int64_t group, int64_t dim, int64_t q_stride, float scale);
+                     int64_t kv_heads, int64_t group, int64_t dim, int64_t q_stride, float scale,
+                     int64_t kv_bf16);
 void pd_small_gemm(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
                    int64_t k);
 void pd_quant_gemm(const float* x, const uint8_t* qs, const float* d, const float* mn, const float* bias,
@@ -93,9 +94,9 @@ extern "C" void pd_decode_stack(const PdStack* s, float* x, int64_t tokens, floa
         pd_rms_norm(k + t * qkv_w, D, L.k_norm, k + t * qkv_w, s->kv_heads, D, s->eps);
       }
     pd_rotary_qk(q, qkv_w, D, s->heads, k, qkv_w, D, s->kv_heads, cos, sin, cs_row, T, s->rot);
-    pd_write_kv(layer_kv, slots, k, qkv_w, v, qkv_w, T, kv_size, strides[4]);
+    pd_write_kv(layer_kv, slots, k, qkv_w, v, qkv_w, T, kv_size, strides[4], sizeof(float));
     pd_paged_decode(layer_kv, q, attn.data(), tables, lens, T, max_blocks, strides, s->kv_heads,
-                    s->heads / s->kv_heads, D, qkv_w, s->scale);
+                    s->heads / s->kv_heads, D, qkv_w, s->scale, 0);
     linear(L.o, attn.data(), h.data(), T);
     add_into(x, h.data(), T * H);
     pd_rms_norm(x, H, L.post_norm, normed.data(), T, H, s->eps);
