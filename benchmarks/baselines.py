@@ -122,6 +122,7 @@ def run_transformers(
     max_new_tokens: int = 128,
     batch_size: int = 16,
     gguf_path: str | None = None,
+    dtype: str = "float32",
 ) -> dict:
     """Static-batch HF `generate` throughput, plus batch-1 decode and 1024-token prefill."""
     import torch
@@ -130,7 +131,7 @@ def run_transformers(
     torch.set_num_threads(2)
     gguf_path = gguf_path or workload.default_gguf_path()
     start = time.perf_counter()
-    model = load_transformers_model(gguf_path)
+    model = load_transformers_model(gguf_path).to(getattr(torch, dtype))
     load_s = time.perf_counter() - start
     pad_id = model.generation_config.pad_token_id
     pad_id = model.config.eos_token_id if pad_id is None else pad_id
@@ -155,7 +156,7 @@ def run_transformers(
     t_all = _median_seconds(lambda: _hf_generate(model, [decode_prompt], max_new_tokens, pad_id))
     t_prefill = _median_seconds(lambda: _hf_generate(model, [prefill_prompt], 1, pad_id))
     return {
-        "backend": "transformers",
+        "backend": "transformers" if dtype == "float32" else f"transformers ({dtype})",
         "num_prompts": len(prompts),
         "batch_size": batch_size,
         "prompt_tokens": sum(len(p) for p in prompts),

