@@ -260,11 +260,20 @@ def run_backends(args, prompts: list[list[int]], gguf_path: str) -> list[dict]:
         if missing := [m for m in modules if importlib.util.find_spec(m) is None]:
             print(f"[offline] skipping {name}: {', '.join(missing)} not installed (pip install -e '.[bench]')")
             continue
+        if name == "vllm" and not os.access(args.vllm_python, os.X_OK):
+            print(f"[offline] skipping vllm: {args.vllm_python} is not an executable python (see vllm_offline.py)")
+            continue
         if args.wait_idle > 0 and not workload.wait_for_idle_cpu(args.wait_idle * 60):
             print("[offline] the machine never went idle; the figures below are contended")
         print(f"[offline] running {name}", flush=True)
         with workload.OtherCpuLoad() as load:
-            res = run()
+            try:
+                res = run()
+            except RuntimeError as exc:  # a baseline that fails must not take the others' figures
+                if name == "pdinfer":
+                    raise
+                print(f"[offline] {name} failed, left out: {exc}")
+                continue
         # vLLM's own processes are children the load meter cannot tell from neighbours.
         other = "n/a" if name == "vllm" else load.fraction
         results.append({**res, "other_cpu_frac": other, "date": time.ctime()})
