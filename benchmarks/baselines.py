@@ -246,9 +246,7 @@ def run_llamacpp(
     decode_prompt, prefill_prompt = _single_sequence_prompts(gguf_path)
     runs = [_llama_greedy(llm, decode_prompt, max_new_tokens, eos_id) for _ in range(REPEATS)]
     decode_s = statistics.median(r[1] for r in runs)
-    t_prefill = statistics.median(
-        _llama_greedy(llm, prefill_prompt, 1, eos_id)[0] for _ in range(REPEATS)
-    )
+    t_prefill = statistics.median(_llama_greedy(llm, prefill_prompt, 1, eos_id)[0] for _ in range(REPEATS))
     return {
         "backend": "llama.cpp",
         "num_prompts": len(prompts),
@@ -284,9 +282,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     gguf_path = args.gguf or workload.default_gguf_path()
     prompts = workload.make_prompts(workload.load_tokenizer(gguf_path), n=args.num_prompts)
     runners = {
-        "transformers": lambda: run_transformers(
-            prompts, args.max_new_tokens, args.batch_size, gguf_path=gguf_path
-        ),
+        "transformers": lambda: run_transformers(prompts, args.max_new_tokens, args.batch_size, gguf_path=gguf_path),
         "llamacpp": lambda: run_llamacpp(prompts, args.max_new_tokens, gguf_path=gguf_path),
     }
     results = []

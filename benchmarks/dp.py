@@ -58,13 +58,18 @@ def allreduce_floor(iters: int) -> dict:
     from pdinfer.distributed.dp_group import host_store
 
     store = host_store("127.0.0.1")
-    procs = [subprocess.Popen([sys.executable, "-c", _FLOOR_SCRIPT, str(r), str(store.port),
-                               str(iters)], stdout=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FLOOR_SCRIPT, str(r), str(store.port), str(iters)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=600)[0].split() for p in procs]
     p50 = statistics.mean(float(o[0]) for o in outs)
     mean = statistics.mean(float(o[1]) for o in outs)
-    return {"config": "allreduce floor", "ranks": 2, "us_per_allreduce": mean,
-            "allreduce_p50_us": p50}
+    return {"config": "allreduce floor", "ranks": 2, "us_per_allreduce": mean, "allreduce_p50_us": p50}
 
 
 def _cpu_seconds(pids: list[int]) -> float:
@@ -93,8 +98,7 @@ def _run(llm, prompts, params, pids: list[int]) -> tuple[float, int, float]:
 def run_dp1(prompts, params, threads: int) -> dict:
     from pdinfer import LLM
 
-    llm = LLM(max_model_len=1024, max_num_batched_tokens=BUDGET_TOKENS,
-              kv_cache_memory=2 << 30, num_threads=threads)
+    llm = LLM(max_model_len=1024, max_num_batched_tokens=BUDGET_TOKENS, kv_cache_memory=2 << 30, num_threads=threads)
     steps = {"n": 0}
     step = llm.engine.step
 
@@ -107,9 +111,17 @@ def run_dp1(prompts, params, threads: int) -> dict:
     steps["n"] = 0
     wall, tokens, other = _run(llm, prompts, params, [])
     llm.engine.shutdown()
-    return {"config": "dp1", "ranks": 1, "threads_per_rank": threads, "wall_s": wall,
-            "output_tokens": tokens, "output_tok_s": tokens / wall, "steps": steps["n"],
-            "ms_per_step": 1e3 * wall / steps["n"], "other_cpu_frac": other}
+    return {
+        "config": "dp1",
+        "ranks": 1,
+        "threads_per_rank": threads,
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / wall,
+        "steps": steps["n"],
+        "ms_per_step": 1e3 * wall / steps["n"],
+        "other_cpu_frac": other,
+    }
 
 
 def run_front(prompts, params, size: int, threads: int) -> dict:
@@ -117,8 +129,13 @@ def run_front(prompts, params, size: int, threads: int) -> dict:
     from pdinfer.distributed.dp_client import DPEngineClient
     from pdinfer.engine.llm import LLM
 
-    args = EngineArgs(data_parallel_size=size, max_model_len=1024, kv_cache_memory=2 << 30,
-                      max_num_batched_tokens=BUDGET_TOKENS, num_threads=threads)
+    args = EngineArgs(
+        data_parallel_size=size,
+        max_model_len=1024,
+        kv_cache_memory=2 << 30,
+        max_num_batched_tokens=BUDGET_TOKENS,
+        num_threads=threads,
+    )
     llm = LLM.__new__(LLM)  # LLM's generate over a client of any size (LLM() picks one for size > 1)
     llm.engine = DPEngineClient(args)
     llm.tokenizer = llm.engine.tokenizer
@@ -136,13 +153,21 @@ def run_front(prompts, params, size: int, threads: int) -> dict:
     calls = [a.num_allreduce - b.num_allreduce for a, b in zip(after, before)]
     ns = [a.allreduce_ns - b.allreduce_ns for a, b in zip(after, before)]
     us_per_step = statistics.mean(n / 1e3 / steps for n in ns)
-    return {"config": "dp2" if size == 2 else f"dp{size}-front", "ranks": size,
-            "threads_per_rank": threads, "wall_s": wall, "output_tokens": tokens,
-            "output_tok_s": tokens / wall, "steps": steps, "ms_per_step": 1e3 * wall / steps,
-            "allreduce_per_step": statistics.mean(c / steps for c in calls),
-            "us_per_allreduce": statistics.mean(n / 1e3 / c for n, c in zip(ns, calls)),
-            "us_allreduce_per_step": us_per_step,
-            "vote_share_pct": 100 * us_per_step / (1e6 * wall / steps), "other_cpu_frac": other}
+    return {
+        "config": "dp2" if size == 2 else f"dp{size}-front",
+        "ranks": size,
+        "threads_per_rank": threads,
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / wall,
+        "steps": steps,
+        "ms_per_step": 1e3 * wall / steps,
+        "allreduce_per_step": statistics.mean(c / steps for c in calls),
+        "us_per_allreduce": statistics.mean(n / 1e3 / c for n, c in zip(ns, calls)),
+        "us_allreduce_per_step": us_per_step,
+        "vote_share_pct": 100 * us_per_step / (1e6 * wall / steps),
+        "other_cpu_frac": other,
+    }
 
 
 def main() -> None:
@@ -152,8 +177,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=300)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--allreduce-iters", type=int, default=2000)
-    parser.add_argument("--wait-idle", type=float, default=0.0,
-                        help="wait up to this many seconds for an idle machine first")
+    parser.add_argument(
+        "--wait-idle", type=float, default=0.0, help="wait up to this many seconds for an idle machine first"
+    )
     parser.add_argument("--only", default="floor,dp1,dp1-front,dp2")
     args = parser.parse_args()
 
@@ -163,10 +189,8 @@ def main() -> None:
 
     if args.wait_idle:
         wait_for_idle_cpu(args.wait_idle)
-    folder, _ = resolve_model(None, os.environ.get("PDINFER_CACHE_DIR") or str(
-        Path.home() / ".cache" / "pdinfer"))
-    prompts = make_prompts(load_tokenizer(folder, None), args.num_prompts, args.min_tokens,
-                           args.max_tokens)
+    folder, _ = resolve_model(None, os.environ.get("PDINFER_CACHE_DIR") or str(Path.home() / ".cache" / "pdinfer"))
+    prompts = make_prompts(load_tokenizer(folder, None), args.num_prompts, args.min_tokens, args.max_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     cores = os.cpu_count() or 1
     only = args.only.split(",")
@@ -179,21 +203,39 @@ def main() -> None:
         rows.append(run_front(prompts, params, 1, cores))
     if "dp2" in only:
         rows.append(run_front(prompts, params, 2, max(1, cores // 2)))
-    print(f"\n{args.num_prompts} prompts of {args.min_tokens}-{args.max_tokens} tokens, "
-          f"{args.new_tokens} new tokens each, {cores} cores\n")
-    print_table(rows, ["config", "ranks", "threads_per_rank", "wall_s", "output_tok_s", "steps",
-                       "ms_per_step", "allreduce_per_step", "us_per_allreduce",
-                       "allreduce_p50_us", "us_allreduce_per_step", "vote_share_pct",
-                       "other_cpu_frac"])
+    print(
+        f"\n{args.num_prompts} prompts of {args.min_tokens}-{args.max_tokens} tokens, "
+        f"{args.new_tokens} new tokens each, {cores} cores\n"
+    )
+    print_table(
+        rows,
+        [
+            "config",
+            "ranks",
+            "threads_per_rank",
+            "wall_s",
+            "output_tok_s",
+            "steps",
+            "ms_per_step",
+            "allreduce_per_step",
+            "us_per_allreduce",
+            "allreduce_p50_us",
+            "us_allreduce_per_step",
+            "vote_share_pct",
+            "other_cpu_frac",
+        ],
+    )
     floor = next((r for r in rows if r["config"] == "allreduce floor"), None)
     for row in rows:
         if floor and "allreduce_per_step" in row and row["ranks"] > 1:
             own = row["allreduce_per_step"] * floor["allreduce_p50_us"]
-            print(f"\n{row['config']}: the vote's own cost is about {own:,.0f} us per step "
-                  f"({row['allreduce_per_step']:.1f} all-reduces x {floor['allreduce_p50_us']:,.0f} us "
-                  f"floor, {100 * own / (1e3 * row['ms_per_step']):.2f}% of a step); the "
-                  f"{row['us_allreduce_per_step']:,.0f} us measured inside the step also holds "
-                  "the wait for the slower rank")
+            print(
+                f"\n{row['config']}: the vote's own cost is about {own:,.0f} us per step "
+                f"({row['allreduce_per_step']:.1f} all-reduces x {floor['allreduce_p50_us']:,.0f} us "
+                f"floor, {100 * own / (1e3 * row['ms_per_step']):.2f}% of a step); the "
+                f"{row['us_allreduce_per_step']:,.0f} us measured inside the step also holds "
+                "the wait for the slower rank"
+            )
 
 
 if __name__ == "__main__":

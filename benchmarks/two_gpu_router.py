@@ -33,8 +33,9 @@ def serve(name: str, args: list[str], log: Path, timeout_s: float) -> Child:
     """``pdinfer <args>`` on a free port, healthy (a child named "router" also waits for every
     engine behind it), through ``pdinfer launch``'s own child handling."""
     port = free_port()
-    child = Child(name, [sys.executable, "-m", "pdinfer.cli", *args, "--port", str(port)],
-                  f"http://127.0.0.1:{port}", log)
+    child = Child(
+        name, [sys.executable, "-m", "pdinfer.cli", *args, "--port", str(port)], f"http://127.0.0.1:{port}", log
+    )
     start_child(child)
     failed = wait_healthy([child], timeout_s)
     if failed is not None:
@@ -45,8 +46,15 @@ def serve(name: str, args: list[str], log: Path, timeout_s: float) -> Child:
 
 def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     """Stream one completion; token ids, TTFT and end time (s from the request)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     start, first, tokens, error = time.perf_counter(), None, [], None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as resp:
         if resp.status_code != 200:
@@ -87,11 +95,16 @@ def run_workload(url: str, model: str, prompts: list[list[int]], max_tokens: int
     span = time.perf_counter() - start
     ttft = sorted(r["ttft"] for r in results.values())
     tpot = sorted((r["done"] - r["ttft"]) / max(1, len(r["tokens"]) - 1) for r in results.values())
-    return {"tokens": {str(i): results[i]["tokens"] for i in sorted(results)},
-            "errors": [r["error"] for r in results.values() if r["error"]],
-            "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p50_s": ttft[len(ttft) // 2],
-            "tpot_mean_ms": 1e3 * sum(tpot) / len(tpot), "tpot_p50_ms": 1e3 * tpot[len(tpot) // 2],
-            "out_tok_s": sum(len(r["tokens"]) for r in results.values()) / span, "span_s": span}
+    return {
+        "tokens": {str(i): results[i]["tokens"] for i in sorted(results)},
+        "errors": [r["error"] for r in results.values() if r["error"]],
+        "ttft_mean_s": sum(ttft) / len(ttft),
+        "ttft_p50_s": ttft[len(ttft) // 2],
+        "tpot_mean_ms": 1e3 * sum(tpot) / len(tpot),
+        "tpot_p50_ms": 1e3 * tpot[len(tpot) // 2],
+        "out_tok_s": sum(len(r["tokens"]) for r in results.values()) / span,
+        "span_s": span,
+    }
 
 
 def kv_state(url: str) -> list[int]:
@@ -121,8 +134,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     dry = args.dry_run
     model_flags = ["--model", "preset:smollm2-135m" if dry else "preset:llama-3.1-8b", "--load-format", "dummy"]
-    model_flags += (["--device", "cpu", "--kv-cache-memory", "512MiB", "--max-model-len", "1024"] if dry
-                    else ["--max-model-len", "4096", "--max-num-seqs", "64"])
+    model_flags += (
+        ["--device", "cpu", "--kv-cache-memory", "512MiB", "--max-model-len", "1024"]
+        if dry
+        else ["--max-model-len", "4096", "--max-num-seqs", "64"]
+    )
     rng = random.Random(11)
     vocab = 49152 if dry else 128256
     n, lo, hi = (6, 20, 120) if dry else (args.num_prompts, 256, 2048)
@@ -132,8 +148,12 @@ def main() -> None:
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "connector": args.connector}
 
     # 1. NORMAL on GPU 0
-    normal = serve("normal", ["serve", "--role", "normal", *model_flags, *([] if dry else ["--device", "cuda:0"])],
-                   out / "normal.log", 600)
+    normal = serve(
+        "normal",
+        ["serve", "--role", "normal", *model_flags, *([] if dry else ["--device", "cuda:0"])],
+        out / "normal.log",
+        600,
+    )
     url = normal.url
     try:
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -145,8 +165,23 @@ def main() -> None:
     print(f"NORMAL done: {result['normal']['out_tok_s']:.0f} tok/s", flush=True)
 
     # 2. P/D behind the router: PE on GPU 0, CE on GPU 1 (launch assigns them)
-    launch = serve("router", ["launch", "--prefill", "1", "--decode", "1", *model_flags, "--kv-connector",
-                              args.connector, "--log-dir", str(out)], out / "launch.log", 900)
+    launch = serve(
+        "router",
+        [
+            "launch",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            *model_flags,
+            "--kv-connector",
+            args.connector,
+            "--log-dir",
+            str(out),
+        ],
+        out / "launch.log",
+        900,
+    )
     url = launch.url
     try:
         engines = httpx.get(f"{url}/debug/engines", timeout=10).json()
@@ -163,14 +198,18 @@ def main() -> None:
 def table(r: dict) -> str:
     normal, pd = r["normal"], r["pd"]
     same = sum(pd["tokens"].get(k) == v for k, v in normal["tokens"].items())
-    lines = ["| setup | TTFT mean (p50) | TPOT mean | output tok/s | errors | KV blocks after |",
-             "|---|---|---|---|---|---|"]
-    for name, w, blocks in (("NORMAL, GPU 0, `pdinfer serve`", normal, [normal["blocks"]]),
-                            (f"P/D {r['connector']}, PE GPU 0 + CE GPU 1, `pdinfer launch` + router", pd,
-                             list(pd["blocks"].values()))):
-        lines.append(f"| {name} | {w['ttft_mean_s']:.2f} s ({w['ttft_p50_s']:.2f}) | {w['tpot_mean_ms']:.1f} ms | "
-                     f"{w['out_tok_s']:.0f} | {len(w['errors'])} | "
-                     + ", ".join(f"{b[0]}/{b[1]}" for b in blocks) + " |")
+    lines = [
+        "| setup | TTFT mean (p50) | TPOT mean | output tok/s | errors | KV blocks after |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, w, blocks in (
+        ("NORMAL, GPU 0, `pdinfer serve`", normal, [normal["blocks"]]),
+        (f"P/D {r['connector']}, PE GPU 0 + CE GPU 1, `pdinfer launch` + router", pd, list(pd["blocks"].values())),
+    ):
+        lines.append(
+            f"| {name} | {w['ttft_mean_s']:.2f} s ({w['ttft_p50_s']:.2f}) | {w['tpot_mean_ms']:.1f} ms | "
+            f"{w['out_tok_s']:.0f} | {len(w['errors'])} | " + ", ".join(f"{b[0]}/{b[1]}" for b in blocks) + " |"
+        )
     lines.append(f"\nP/D tokens = NORMAL tokens (greedy, through HTTP): {same}/{len(normal['tokens'])} requests")
     return "\n".join(lines)
 

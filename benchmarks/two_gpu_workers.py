@@ -36,11 +36,20 @@ class Setup:
     def engine_args(self, role: str, device: str, kv: dict | None = None):
         from pdinfer import EngineArgs
 
-        extra = {"num_kv_blocks": 256, "max_num_seqs": 8, "max_model_len": 1024, "max_num_batched_tokens": 1024} \
-            if self.dry else {"num_kv_blocks": 12288, "max_num_seqs": 64, "max_model_len": 4096,
-                              "max_num_batched_tokens": 8192}
-        return EngineArgs(model=self.model, load_format="dummy", engine_type=role, device=device,
-                          kv_transfer=kv or {}, seed=0, **extra)
+        extra = (
+            {"num_kv_blocks": 256, "max_num_seqs": 8, "max_model_len": 1024, "max_num_batched_tokens": 1024}
+            if self.dry
+            else {"num_kv_blocks": 12288, "max_num_seqs": 64, "max_model_len": 4096, "max_num_batched_tokens": 8192}
+        )
+        return EngineArgs(
+            model=self.model,
+            load_format="dummy",
+            engine_type=role,
+            device=device,
+            kv_transfer=kv or {},
+            seed=0,
+            **extra,
+        )
 
 
 def greedy(n: int):
@@ -74,8 +83,12 @@ def collect(engine, start: float, wanted: set[str], step=None) -> dict:
             if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
                 first[out.request_id] = now
             if out.finished:
-                done[out.request_id] = {"tokens": list(out.outputs[0].token_ids), "ttft": first.get(out.request_id, now),
-                                        "done": now, "error": out.error}
+                done[out.request_id] = {
+                    "tokens": list(out.outputs[0].token_ids),
+                    "ttft": first.get(out.request_id, now),
+                    "done": now,
+                    "error": out.error,
+                }
     return done
 
 
@@ -90,9 +103,15 @@ def summarize(results: dict, elapsed: float | None = None) -> dict:
     tpot = sorted((r["done"] - r["ttft"]) / max(1, len(r["tokens"]) - 1) for r in results.values())
     tokens = sum(len(r["tokens"]) for r in results.values())
     span = elapsed or max(r["done"] for r in results.values())
-    return {"ttft_mean_s": sum(ttft) / len(ttft), "ttft_p50_s": ttft[len(ttft) // 2],
-            "tpot_mean_ms": 1e3 * sum(tpot) / len(tpot), "tpot_p50_ms": 1e3 * tpot[len(tpot) // 2],
-            "out_tok_s": tokens / span, "span_s": span, "errors": sum(r["error"] is not None for r in results.values())}
+    return {
+        "ttft_mean_s": sum(ttft) / len(ttft),
+        "ttft_p50_s": ttft[len(ttft) // 2],
+        "tpot_mean_ms": 1e3 * sum(tpot) / len(tpot),
+        "tpot_p50_ms": 1e3 * tpot[len(tpot) // 2],
+        "out_tok_s": tokens / span,
+        "span_s": span,
+        "errors": sum(r["error"] is not None for r in results.values()),
+    }
 
 
 def part_normal(setup: Setup, out: Path) -> None:
@@ -101,7 +120,9 @@ def part_normal(setup: Setup, out: Path) -> None:
     engine = LLMEngine(setup.engine_args("normal", setup.devices[0]))
     result = {"correct": {}}
     for i, ids in enumerate(setup.correct):  # one at a time: the batch shapes P/D will have
-        result["correct"][str(i)] = run_engine(engine, [(f"c{i}", ids)], greedy(setup.correct_tokens))[f"c{i}"]["tokens"]
+        result["correct"][str(i)] = run_engine(engine, [(f"c{i}", ids)], greedy(setup.correct_tokens))[f"c{i}"][
+            "tokens"
+        ]
     run_engine(engine, [("warm", setup.warm)], greedy(4))
     items = [(f"w{i}", ids) for i, ids in enumerate(setup.workload)]
     work = run_engine(engine, items, greedy(setup.new_tokens))
@@ -130,7 +151,9 @@ def part_pe(setup: Setup, out: Path, port: int, kinds: list[str]) -> None:
     from pdinfer.engine.pd_common import Reservation
     from pdinfer.engine.prefill_engine import PrefillEngine
 
-    pe = PrefillEngine(setup.engine_args("prompt", setup.devices[0], {"connector": kinds[0], "staging_mib": 64 if setup.dry else 2048}))
+    pe = PrefillEngine(
+        setup.engine_args("prompt", setup.devices[0], {"connector": kinds[0], "staging_mib": 64 if setup.dry else 2048})
+    )
     sock = zmq.Context.instance().socket(zmq.PAIR)
     sock.connect(f"tcp://127.0.0.1:{port}")
     sock.send_json({"op": "ready"})
@@ -147,11 +170,13 @@ def part_pe(setup: Setup, out: Path, port: int, kinds: list[str]) -> None:
                 sock.send_json({"op": "micro", "result": micro_send(pe, msg)})
             elif msg["op"] == "add":
                 reservation = msgspec.json.decode(msg["reservation"].encode(), type=Reservation)
-                pe.add_request(msg["rid"], {"prompt_token_ids": msg["ids"]}, greedy(msg["n"]),
-                               reservation=reservation)
+                pe.add_request(msg["rid"], {"prompt_token_ids": msg["ids"]}, greedy(msg["n"]), reservation=reservation)
             elif msg["op"] == "stats":
-                stats = dict(pe.handoff_stats, free_blocks=[pe.get_num_free_blocks(), pe.num_blocks],
-                             staged_bytes=getattr(pe.connector, "staged_bytes", 0))
+                stats = dict(
+                    pe.handoff_stats,
+                    free_blocks=[pe.get_num_free_blocks(), pe.num_blocks],
+                    staged_bytes=getattr(pe.connector, "staged_bytes", 0),
+                )
                 sock.send_json({"op": "stats", "stats": stats})
         if busy:
             pe.step()
@@ -190,8 +215,9 @@ class CeDriver:
                     break
                 except NoRoomError:
                     self.ce.step()  # decode until blocks free up (back-pressure)
-            self.sock.send_json({"op": "add", "rid": rid, "ids": ids, "n": n,
-                                 "reservation": msgspec.json.encode(reservation).decode()})
+            self.sock.send_json(
+                {"op": "add", "rid": rid, "ids": ids, "n": n, "reservation": msgspec.json.encode(reservation).decode()}
+            )
         return start, {rid for rid, _ in items}
 
     def run(self, items, n: int) -> dict:
@@ -204,8 +230,10 @@ class CeDriver:
             switch_connector(ce, kind)
             assert self.ask({"op": "switch", "kind": kind})["op"] == "switched"
         result = {"micro": micro_receive(ce, self, setup.micro_blocks, setup.micro_reps)}
-        result["correct"] = {str(i): self.run([(f"{kind}-c{i}", ids)], setup.correct_tokens)[f"{kind}-c{i}"]["tokens"]
-                             for i, ids in enumerate(setup.correct)}
+        result["correct"] = {
+            str(i): self.run([(f"{kind}-c{i}", ids)], setup.correct_tokens)[f"{kind}-c{i}"]["tokens"]
+            for i, ids in enumerate(setup.correct)
+        }
         self.run([(f"{kind}-warm", setup.warm)], 4)
         work = self.run([(f"{kind}-w{i}", ids) for i, ids in enumerate(setup.workload)], setup.new_tokens)
         result["workload"] = summarize(work)
@@ -281,13 +309,24 @@ def part_dp(setup: Setup, out: Path, rank: int, port: int) -> None:
     for _ in range(200):
         group.all_reduce_min([rank, 1])
     vote_us = (group.total_ns - ns1) / 1e3 / (group.num_calls - calls1)
-    write(out, {"rank": rank, "equal": sum(alone[r]["tokens"] == together[r]["tokens"] for r in alone),
-                "of": len(alone), "dp1_s": alone_s, "dp2_s": together_s, "steps": steps[0],
-                "allreduce_calls": calls, "allreduce_ms_total": ns / 1e6,
-                "allreduce_us_per_call": ns / 1e3 / max(1, calls), "allreduce_us_per_step": ns / 1e3 / max(1, steps[0]),
-                "vote_alone_us": vote_us,
-                "tokens": sum(len(r["tokens"]) for r in together.values()),
-                "free_blocks": [engine.get_num_free_blocks(), engine.num_blocks]})
+    write(
+        out,
+        {
+            "rank": rank,
+            "equal": sum(alone[r]["tokens"] == together[r]["tokens"] for r in alone),
+            "of": len(alone),
+            "dp1_s": alone_s,
+            "dp2_s": together_s,
+            "steps": steps[0],
+            "allreduce_calls": calls,
+            "allreduce_ms_total": ns / 1e6,
+            "allreduce_us_per_call": ns / 1e3 / max(1, calls),
+            "allreduce_us_per_step": ns / 1e3 / max(1, steps[0]),
+            "vote_alone_us": vote_us,
+            "tokens": sum(len(r["tokens"]) for r in together.values()),
+            "free_blocks": [engine.get_num_free_blocks(), engine.num_blocks],
+        },
+    )
     engine.shutdown()
     group.close()
 
@@ -325,9 +364,18 @@ def micro_send(pe, msg: dict) -> dict:
             start = time.perf_counter()
             for rep in range(msg["reps"]):
                 payload, nbytes, crc = pe._payload(pe._read_kv(list(range(nblocks))))
-                push = KVPush(transfer_id=f"m{nblocks}-{rep}", request_id="micro", instance_id=instance,
-                              num_tokens=nblocks * pe.cache_config.block_size, first_token=0, first_tokens=[0],
-                              seed=0, block_ids=list(range(nblocks)), nbytes=nbytes, checksum=crc)
+                push = KVPush(
+                    transfer_id=f"m{nblocks}-{rep}",
+                    request_id="micro",
+                    instance_id=instance,
+                    num_tokens=nblocks * pe.cache_config.block_size,
+                    first_token=0,
+                    first_tokens=[0],
+                    seed=0,
+                    block_ids=list(range(nblocks)),
+                    nbytes=nbytes,
+                    checksum=crc,
+                )
                 conn.send(msg["address"], push, payload)
                 pending.add(push.transfer_id)
                 while len(pending) >= 2 or (rep == msg["reps"] - 1 and pending):
@@ -338,8 +386,11 @@ def micro_send(pe, msg: dict) -> dict:
                                 failed.append(event.error)
                     time.sleep(0.0001)
             elapsed = time.perf_counter() - start
-            result[str(nblocks)] = {"MiB": nbytes / 2**20, "GBps": nbytes * msg["reps"] / elapsed / 1e9,
-                                    "ms_per_push": 1e3 * elapsed / msg["reps"]}
+            result[str(nblocks)] = {
+                "MiB": nbytes / 2**20,
+                "GBps": nbytes * msg["reps"] / elapsed / 1e9,
+                "ms_per_push": 1e3 * elapsed / msg["reps"],
+            }
     finally:
         pe.connector = bench
         conn.close()
@@ -376,8 +427,9 @@ def micro_receive(ce, driver, sizes: list[int], reps: int) -> dict:
                     with warnings.catch_warnings():  # read-only receive buffer: only copied from
                         warnings.simplefilter("ignore", UserWarning)
                         data = torch.frombuffer(arrival.payload, dtype=torch.uint8)
-                    cache.write_blocks(list(push.block_ids), data.view(cache.dtype).view(len(push.block_ids),
-                                                                                          *cache.block_shape))
+                    cache.write_blocks(
+                        list(push.block_ids), data.view(cache.dtype).view(len(push.block_ids), *cache.block_shape)
+                    )
                 conn.confirm(arrival, ok=error is None, error=error)
                 done += 1
                 if error:

@@ -34,8 +34,14 @@ def main(model_dir: str, tokenizer_dir: str, in_path: str, out_path: str) -> Non
 
     spec = json.loads(open(in_path).read())
     start = time.perf_counter()
-    llm = LLM(model=model_dir, tokenizer=tokenizer_dir, dtype=spec["dtype"], max_model_len=2048,
-              enable_prefix_caching=False, seed=0)
+    llm = LLM(
+        model=model_dir,
+        tokenizer=tokenizer_dir,
+        dtype=spec["dtype"],
+        max_model_len=2048,
+        enable_prefix_caching=False,
+        seed=0,
+    )
     load_s = time.perf_counter() - start
 
     def generate(batch: list[list[int]], n: int) -> list[list[int]]:
@@ -53,11 +59,17 @@ def main(model_dir: str, tokenizer_dir: str, in_path: str, out_path: str) -> Non
     t_all = _median_seconds(lambda: generate([spec["decode_prompt"]], n_new))
     t_prefill = _median_seconds(lambda: generate([spec["prefill_prompt"]], 1))
     result = {
-        "backend": f"vllm-cpu ({spec['dtype']})", "num_prompts": len(prompts), "batch_size": len(prompts),
-        "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens, "load_s": load_s,
-        "total_s": total_s, "output_tok_s": out_tokens / total_s,
+        "backend": f"vllm-cpu ({spec['dtype']})",
+        "num_prompts": len(prompts),
+        "batch_size": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)),
+        "output_tokens": out_tokens,
+        "load_s": load_s,
+        "total_s": total_s,
+        "output_tok_s": out_tokens / total_s,
         "bs1_decode_tok_s": (n_new - 1) / (t_all - t_first),
-        "prefill_tok_s": len(spec["prefill_prompt"]) / t_prefill, "token_ids": tokens,
+        "prefill_tok_s": len(spec["prefill_prompt"]) / t_prefill,
+        "token_ids": tokens,
     }
     with open(out_path, "w") as f:
         json.dump(result, f)

@@ -78,9 +78,7 @@ def load_tokenizer(gguf_path: str | None = None):
             return AutoTokenizer.from_pretrained(cache)
         except Exception as exc:  # a broken cache must never break a benchmark
             print(f"[workload] ignoring unreadable tokenizer cache {cache}: {exc}")
-    tok = AutoTokenizer.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)
-    )
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
     try:
         tok.save_pretrained(cache)
     except OSError as exc:
@@ -116,15 +114,11 @@ def target_lengths(n: int, min_tokens: int, max_tokens: int, seed: int = 0) -> l
     return lengths
 
 
-def make_prompts(
-    tokenizer, n: int = 64, min_tokens: int = 30, max_tokens: int = 500, seed: int = 0
-) -> list[list[int]]:
+def make_prompts(tokenizer, n: int = 64, min_tokens: int = 30, max_tokens: int = 500, seed: int = 0) -> list[list[int]]:
     """Deterministic list of `n` token-id prompts with lengths spread over [min, max]."""
     lengths = target_lengths(n, min_tokens, max_tokens, seed)
     # Per-prompt seeds derived from (seed, index) keep prompts distinct and reproducible.
-    return [
-        make_prompt(tokenizer, length, seed * 1_000_003 + i) for i, length in enumerate(lengths)
-    ]
+    return [make_prompt(tokenizer, length, seed * 1_000_003 + i) for i, length in enumerate(lengths)]
 
 
 def _machine_cpu_seconds() -> tuple[float, float]:
@@ -179,10 +173,7 @@ def _fmt(value) -> str:
 
 def print_table(rows: Sequence, headers: Sequence[str]) -> str:
     """Print (and return) an aligned markdown table; rows are sequences or dicts keyed by header."""
-    cells = [
-        [_fmt(row.get(h, "") if isinstance(row, dict) else row[i]) for i, h in enumerate(headers)]
-        for row in rows
-    ]
+    cells = [[_fmt(row.get(h, "") if isinstance(row, dict) else row[i]) for i, h in enumerate(headers)] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
     def line(values):

@@ -86,10 +86,19 @@ def main() -> None:
         for zos in (False, True):
             result[zos] = run(batch, zos, args.new_tokens)
         off, on = result[False], result[True]
-        rows.append([batch, f"{off[0]:.1f}", f"{on[0]:.1f}", f"{(on[0] / off[0] - 1) * 100:+.1f}%",
-                     f"{off[1] * 1e3:.2f}", f"{off[2] * 1e3:.2f}"])
-    print_table(rows, ["batch", "steps/s ZOS off", "steps/s ZOS on", "gain",
-                       "schedule ms/step", "output processing ms/step"])
+        rows.append(
+            [
+                batch,
+                f"{off[0]:.1f}",
+                f"{on[0]:.1f}",
+                f"{(on[0] / off[0] - 1) * 100:+.1f}%",
+                f"{off[1] * 1e3:.2f}",
+                f"{off[2] * 1e3:.2f}",
+            ]
+        )
+    print_table(
+        rows, ["batch", "steps/s ZOS off", "steps/s ZOS on", "gain", "schedule ms/step", "output processing ms/step"]
+    )
     if args.profile:
         run(64, True, args.new_tokens, profile=True)
 

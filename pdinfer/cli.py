@@ -28,9 +28,22 @@ from pdinfer.serving.router_cli import add_router_parser
 
 logger = logging.getLogger("pdinfer")
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20,
-               "mib": 1 << 20, "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-               "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
 
 
 def parse_size(text: str) -> int:
@@ -58,11 +71,29 @@ def positive_int(text: str) -> int:
 
 # argparse dest -> EngineArgs field (the same name); collected by engine_args_from
 _ENGINE_FIELDS = (
-    "model", "tokenizer", "load_format", "dtype", "device", "block_size", "num_kv_blocks",
-    "kv_cache_memory", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
-    "max_num_batched_tokens", "chunked_prefill", "enable_prefix_caching",
-    "stop_preempted_request", "data_parallel_size", "seed", "num_threads", "enforce_eager",
-    "kv_store", "kv_store_bytes", "kv_store_memory_bytes", "kv_store_save_interval_tokens",
+    "model",
+    "tokenizer",
+    "load_format",
+    "dtype",
+    "device",
+    "block_size",
+    "num_kv_blocks",
+    "kv_cache_memory",
+    "gpu_memory_utilization",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "chunked_prefill",
+    "enable_prefix_caching",
+    "stop_preempted_request",
+    "data_parallel_size",
+    "seed",
+    "num_threads",
+    "enforce_eager",
+    "kv_store",
+    "kv_store_bytes",
+    "kv_store_memory_bytes",
+    "kv_store_save_interval_tokens",
 )
 
 
@@ -70,42 +101,68 @@ def add_engine_args(parser: argparse.ArgumentParser, *, include_seed: bool = Tru
     """The flags of ``EngineArgs``. ``include_seed=False`` leaves ``--seed`` to the caller
     (``generate`` uses it for sampling; the engine seed only seeds dummy weights)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="GGUF file, Hugging Face folder or preset:<name> (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file, Hugging Face folder or preset:<name> (default: the embedded SmolLM2-135M-Instruct)",
+    )
     g.add_argument("--tokenizer", default=None, help="tokenizer source (default: the model)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    g.add_argument("--num-kv-blocks", type=positive_int, default=None,
-                   help="fixed KV block count (default: sized from the memory budget)")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                   help="CPU memory for the KV cache and activations, e.g. 512MiB, 2GiB "
-                        "(default: a quarter of RAM, at most 4GiB)")
+    g.add_argument(
+        "--num-kv-blocks",
+        type=positive_int,
+        default=None,
+        help="fixed KV block count (default: sized from the memory budget)",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=None,
+        help="CPU memory for the KV cache and activations, e.g. 512MiB, 2GiB (default: a quarter of RAM, at most 4GiB)",
+    )
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="context length (default: the model's)")
+    g.add_argument("--max-model-len", type=positive_int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=positive_int, default=128)
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
     g.add_argument("--chunked-prefill", action="store_true")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--stop-preempted-request", action=argparse.BooleanOptionalAction,
-                   default=None, help="finish a preempted request with an error instead of "
-                                      "recomputing it (default: on for completion, off otherwise)")
+    g.add_argument(
+        "--stop-preempted-request",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="finish a preempted request with an error instead of "
+        "recomputing it (default: on for completion, off otherwise)",
+    )
     g.add_argument("--data-parallel-size", type=positive_int, default=1)
-    g.add_argument("--num-threads", type=positive_int, default=None,
-                   help="torch threads on CPU (default: all cores)")
+    g.add_argument("--num-threads", type=positive_int, default=None, help="torch threads on CPU (default: all cores)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--kv-store", default=None,
-                   help="KV cache store: a directory (may be shared across hosts) or 'memory'; "
-                        "engines save finished full blocks there and load stored prefixes")
-    g.add_argument("--kv-store-bytes", type=parse_size, default=None,
-                   help="bound of the KV store, e.g. 64GiB (default: 16GiB, or 1GiB in memory)")
-    g.add_argument("--kv-store-memory-bytes", type=parse_size, default=0,
-                   help="an in-memory tier of this size in front of a directory KV store")
-    g.add_argument("--kv-store-save-interval-tokens", type=positive_int, default=0,
-                   help="also save running sequences' full blocks every N tokens (default: off)")
+    g.add_argument(
+        "--kv-store",
+        default=None,
+        help="KV cache store: a directory (may be shared across hosts) or 'memory'; "
+        "engines save finished full blocks there and load stored prefixes",
+    )
+    g.add_argument(
+        "--kv-store-bytes",
+        type=parse_size,
+        default=None,
+        help="bound of the KV store, e.g. 64GiB (default: 16GiB, or 1GiB in memory)",
+    )
+    g.add_argument(
+        "--kv-store-memory-bytes",
+        type=parse_size,
+        default=0,
+        help="an in-memory tier of this size in front of a directory KV store",
+    )
+    g.add_argument(
+        "--kv-store-save-interval-tokens",
+        type=positive_int,
+        default=0,
+        help="also save running sequences' full blocks every N tokens (default: off)",
+    )
     if include_seed:
         g.add_argument("--seed", type=int, default=0, help="engine seed (dummy weights)")
 
@@ -130,16 +187,23 @@ def served_model_name(model: str | None) -> str:
 # --- generate ----------------------------------------------------------------------------------------
 def add_generate_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "generate", help="generate text for one prompt, streamed to the terminal",
+        "generate",
+        help="generate text for one prompt, streamed to the terminal",
         description="Plain completion of the prompt by default; --chat wraps it in the model's "
-                    "chat template as one user message (what an instruct model expects).")
+        "chat template as one user message (what an instruct model expects).",
+    )
     p.add_argument("prompt", help='the prompt; "-" reads it from stdin')
     p.add_argument("--max-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1, help="-1: off")
-    p.add_argument("--seed", dest="sampling_seed", type=int, default=None,
-                   help="seed of the sampling stream (same seed, same text)")
+    p.add_argument(
+        "--seed",
+        dest="sampling_seed",
+        type=int,
+        default=None,
+        help="seed of the sampling stream (same seed, same text)",
+    )
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--chat", action="store_true", help="apply the chat template")
@@ -152,9 +216,15 @@ def run_generate(args: argparse.Namespace) -> int:
     from pdinfer.sampling_params import SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
-                                stop=args.stop, ignore_eos=args.ignore_eos)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.sampling_seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
     except ValueError as exc:
         print(f"pdinfer generate: {exc}", file=sys.stderr)
         return 2
@@ -175,7 +245,8 @@ def _chat_prompt(engine, text: str) -> dict:
     if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
         raise ValueError("--chat: this model has no chat template")
     rendered = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
     ids = engine.tokenizer(rendered, add_special_tokens=False).input_ids
     return {"prompt": rendered, "prompt_token_ids": ids}
 
@@ -203,24 +274,34 @@ def _stream_to_stdout(engine, request_id: str) -> int:
 # --- serve -------------------------------------------------------------------------------------------
 def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="one engine behind an OpenAI-compatible HTTP API")
-    p.add_argument("--role", default="normal", type=str.lower,
-                   choices=["normal", "prompt", "completion"],
-                   help="prompt/completion engines take part in P/D serving behind the router")
+    p.add_argument(
+        "--role",
+        default="normal",
+        type=str.lower,
+        choices=["normal", "prompt", "completion"],
+        help="prompt/completion engines take part in P/D serving behind the router",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1/*")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model file's or folder's name)")
-    p.add_argument("--max-waiting", type=positive_int, default=1024,
-                   help="answer 503 while this many requests wait for prefill")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
     p.add_argument(
-        "--prefill-attempt-interval", type=positive_int, default=None,
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the model file's or folder's name)",
+    )
+    p.add_argument(
+        "--max-waiting", type=positive_int, default=1024, help="answer 503 while this many requests wait for prefill"
+    )
+    p.add_argument(
+        "--prefill-attempt-interval",
+        type=positive_int,
+        default=None,
         help="NORMAL engine: while requests decode, waiting prompts are prefilled only every N "
-             "decode steps (at once when nothing runs). Lower N cuts the time to first token of "
-             "requests that arrive under load, but interrupts running decodes with prefill steps "
-             "more often (higher time per output token); higher N does the opposite. Sets "
-             "PDINFER_PREFILL_ATTEMPT_INTERVAL (default: that variable, else 70)")
+        "decode steps (at once when nothing runs). Lower N cuts the time to first token of "
+        "requests that arrive under load, but interrupts running decodes with prefill steps "
+        "more often (higher time per output token); higher N does the opposite. Sets "
+        "PDINFER_PREFILL_ATTEMPT_INTERVAL (default: that variable, else 70)",
+    )
     add_engine_args(p)
     add_kv_transfer_args(p)
     from pdinfer.distributed.cli_args import add_dp_args
@@ -231,29 +312,48 @@ def add_serve_parser(subparsers) -> None:
 
 def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("P/D hand-off (prompt and completion roles)")
-    g.add_argument("--kv-connector", default="tcp", choices=["tcp", "mooncake", "cuda_ipc", "nccl"],
-                   help="how K/V moves from a prefill to a completion engine: ZeroMQ over TCP; "
-                        "Mooncake's Transfer Engine writing into the CE's cache (optional: apt-get "
-                        "install libibverbs1 && pip install mooncake-transfer-engine-non-cuda); or "
-                        "cuda_ipc, device to device between processes of one host (shared memory "
-                        "for CPU engines); or nccl, GPU to GPU by NCCL send/recv (gloo for CPU engines; "
-                        "also across hosts); the device ones keep ZeroMQ for the control messages")
-    g.add_argument("--kv-host", default="127.0.0.1",
-                   help="completion engine: the address PEs push K/V to (bind address)")
+    g.add_argument(
+        "--kv-connector",
+        default="tcp",
+        choices=["tcp", "mooncake", "cuda_ipc", "nccl"],
+        help="how K/V moves from a prefill to a completion engine: ZeroMQ over TCP; "
+        "Mooncake's Transfer Engine writing into the CE's cache (optional: apt-get "
+        "install libibverbs1 && pip install mooncake-transfer-engine-non-cuda); or "
+        "cuda_ipc, device to device between processes of one host (shared memory "
+        "for CPU engines); or nccl, GPU to GPU by NCCL send/recv (gloo for CPU engines; "
+        "also across hosts); the device ones keep ZeroMQ for the control messages",
+    )
+    g.add_argument(
+        "--kv-host", default="127.0.0.1", help="completion engine: the address PEs push K/V to (bind address)"
+    )
     g.add_argument("--kv-port", type=int, default=0, help="completion engine: K/V port (0: any free)")
-    g.add_argument("--kv-secret", default=None,
-                   help="shared secret: K/V pushes not signed with it are refused (set on PE and CE)")
-    g.add_argument("--kv-lease-s", type=float, default=None,
-                   help="prefill engine: free a handed-over request's blocks if the CE has not "
-                        "confirmed within this many seconds (default 30)")
-    g.add_argument("--kv-reservation-timeout-s", type=float, default=None,
-                   help="completion engine: drop a reservation whose K/V never came (default 60)")
+    g.add_argument(
+        "--kv-secret", default=None, help="shared secret: K/V pushes not signed with it are refused (set on PE and CE)"
+    )
+    g.add_argument(
+        "--kv-lease-s",
+        type=float,
+        default=None,
+        help="prefill engine: free a handed-over request's blocks if the CE has not "
+        "confirmed within this many seconds (default 30)",
+    )
+    g.add_argument(
+        "--kv-reservation-timeout-s",
+        type=float,
+        default=None,
+        help="completion engine: drop a reservation whose K/V never came (default 60)",
+    )
 
 
 def kv_transfer_from(args: argparse.Namespace) -> dict:
-    values = {"connector": args.kv_connector, "host": args.kv_host, "port": args.kv_port,
-              "secret": args.kv_secret, "lease_s": args.kv_lease_s,
-              "reservation_timeout_s": args.kv_reservation_timeout_s}
+    values = {
+        "connector": args.kv_connector,
+        "host": args.kv_host,
+        "port": args.kv_port,
+        "secret": args.kv_secret,
+        "lease_s": args.kv_lease_s,
+        "reservation_timeout_s": args.kv_reservation_timeout_s,
+    }
     return {k: v for k, v in values.items() if v is not None}
 
 
@@ -300,10 +400,18 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.info("completion engine: K/V hand-offs arrive at %s", engine.kv_address)
     async_engine.start()
     level = logger.getEffectiveLevel()
-    config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5,
-                            log_level="info" if level <= logging.DEBUG else "warning")
-    print(f"pdinfer serve: {name} ({async_engine.role.name}) on http://{args.host}:{args.port}",
-          file=sys.stderr, flush=True)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        timeout_graceful_shutdown=5,
+        log_level="info" if level <= logging.DEBUG else "warning",
+    )
+    print(
+        f"pdinfer serve: {name} ({async_engine.role.name}) on http://{args.host}:{args.port}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         uvicorn.Server(config).run()
     finally:
@@ -312,16 +420,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 # --- main --------------------------------------------------------------------------------------------
-SUBCOMMANDS = (add_generate_parser, add_serve_parser, add_router_parser, add_launch_parser,
-               add_bench_parser)
+SUBCOMMANDS = (add_generate_parser, add_serve_parser, add_router_parser, add_launch_parser, add_bench_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pdinfer", description="pdinfer: one LLM engine class for NORMAL, PROMPT (prefill) "
-                                    "and COMPLETION (decode) roles.")
-    parser.add_argument("--log-level", default=None,
-                        help="DEBUG, INFO, WARNING, ERROR (default: $PDINFER_LOG_LEVEL or INFO)")
+        prog="pdinfer",
+        description="pdinfer: one LLM engine class for NORMAL, PROMPT (prefill) and COMPLETION (decode) roles.",
+    )
+    parser.add_argument(
+        "--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR (default: $PDINFER_LOG_LEVEL or INFO)"
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add_parser in SUBCOMMANDS:
         add_parser(subparsers)

@@ -30,8 +30,13 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         role = EngineType.from_int(self.engine_type)
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                     "prefill_attempt_interval", "prefill_any_attempt_interval"):
+        for name in (
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_model_len",
+            "prefill_attempt_interval",
+            "prefill_any_attempt_interval",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -147,8 +152,12 @@ class EngineArgs:
             "1" if self.engine_type.default_zero_overhead_scheduling else "0",
         )
         self.zero_overhead_scheduling = bool(env.rearm("PDINFER_ZERO_OVERHEAD_SCHEDULING"))
-        for name in ("PDINFER_PREFILL_ATTEMPT_INTERVAL", "PDINFER_PREFILL_ANY_ATTEMPT_INTERVAL",
-                     "PDINFER_PREFILL_KV_WATERMARK", "PDINFER_ENFORCE_EAGER"):
+        for name in (
+            "PDINFER_PREFILL_ATTEMPT_INTERVAL",
+            "PDINFER_PREFILL_ANY_ATTEMPT_INTERVAL",
+            "PDINFER_PREFILL_KV_WATERMARK",
+            "PDINFER_ENFORCE_EAGER",
+        ):
             env.rearm(name)  # an engine sees the environment as it is when it is built
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
@@ -165,9 +174,7 @@ class EngineArgs:
     def create_scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         max_model_len = self.max_model_len or model_max_len
         if max_model_len > model_max_len:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's context ({model_max_len})"
-            )
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context ({model_max_len})")
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 2048 if self.chunked_prefill else max(max_model_len, 4096)

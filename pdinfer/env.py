@@ -53,54 +53,75 @@ def _declare(name: str, parse: Callable[[str], Any], default: Any, doc: str) -> 
 
 
 _declare(
-    "PDINFER_ZERO_OVERHEAD_SCHEDULING", _parse_bool, None,
+    "PDINFER_ZERO_OVERHEAD_SCHEDULING",
+    _parse_bool,
+    None,
     "Overlap host scheduling/output processing of step N with the forward of step N+1. "
     "Unset: the role decides (on for NORMAL and COMPLETION, off for PROMPT).",
 )
 _declare(
-    "PDINFER_PREFILL_ATTEMPT_INTERVAL", _parse_positive_int, 70,
+    "PDINFER_PREFILL_ATTEMPT_INTERVAL",
+    _parse_positive_int,
+    70,
     "NORMAL engines: every this many decode steps is an ALL point, where the DP group "
     "prefills only if every rank wants to.",
 )
 _declare(
-    "PDINFER_PREFILL_ANY_ATTEMPT_INTERVAL", _parse_positive_int, 100,
+    "PDINFER_PREFILL_ANY_ATTEMPT_INTERVAL",
+    _parse_positive_int,
+    100,
     "NORMAL engines: every this many decode steps is an ANY point, where the DP group "
     "prefills if any rank wants to (so a lone request never starves).",
 )
 _declare(
-    "PDINFER_PREFILL_KV_WATERMARK", _parse_fraction, 0.95,
+    "PDINFER_PREFILL_KV_WATERMARK",
+    _parse_fraction,
+    0.95,
     "NORMAL engines: a rank wants to prefill only while its KV cache usage is at most this.",
 )
 _declare(
-    "PDINFER_ENFORCE_EAGER", _parse_bool, False,
+    "PDINFER_ENFORCE_EAGER",
+    _parse_bool,
+    False,
     "Disable CUDA graphs (GPU only). CUDA graphs are never used by PROMPT engines.",
 )
 _declare(
-    "PDINFER_USE_CUDA_GRAPH", _parse_bool, None,
+    "PDINFER_USE_CUDA_GRAPH",
+    _parse_bool,
+    None,
     "Unset: the role decides (off for PROMPT, on otherwise, on CUDA only).",
 )
 _declare(
-    "PDINFER_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "pdinfer"),
+    "PDINFER_CACHE_DIR",
+    str,
+    os.path.join(os.path.expanduser("~"), ".cache", "pdinfer"),
     "Where converted model folders (dequantized GGUF) are cached.",
 )
 _declare(
-    "PDINFER_CPU_QUANT_GEMM", _parse_bool, True,
+    "PDINFER_CPU_QUANT_GEMM",
+    _parse_bool,
+    True,
     "CPU, float32, GGUF models: steps of up to 192 rows (decode) read the file's Q4_0/Q4_1/Q8_0 "
     "blocks instead of the de-quantized floats (the same values; 3-4x fewer bytes). 0: floats.",
 )
 _declare(
-    "PDINFER_CPU_DECODE_STACK", _parse_bool, True,
+    "PDINFER_CPU_DECODE_STACK",
+    _parse_bool,
+    True,
     "CPU, float32: a decode step's decoder layers run as one native call (the same kernels in "
     "the same order as the torch modules, without their Python overhead). 0: the modules.",
 )
 _declare(
-    "PDINFER_LOG_LEVEL", str, "INFO",
+    "PDINFER_LOG_LEVEL",
+    str,
+    "INFO",
     "Log level of the pdinfer logger (DEBUG, INFO, WARNING, ERROR).",
 )
 _declare(
-    "PDINFER_STEP_LOG", str, "",
-    "If set, a file path; every engine step appends one line with its step type "
-    "(used by DP tests to compare ranks).",
+    "PDINFER_STEP_LOG",
+    str,
+    "",
+    "If set, a file path; every engine step appends one line with its step type (used by DP tests to compare ranks).",
 )
 
 _snapshot: dict[str, Any] = {}

@@ -56,9 +56,7 @@ class SamplingParams:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens <= 0
-        ):
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
             bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             bad(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
@@ -78,11 +76,7 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def resolved_seed(self) -> int:
         """The seed of this request's random stream; an unseeded request draws one."""
@@ -91,10 +85,6 @@ class SamplingParams:
         return random.getrandbits(_SEED_BITS)
 
     def clone(self, **changes) -> SamplingParams:
-        values = {
-            name: getattr(self, name)
-            for name in self.__dataclass_fields__
-            if not name.startswith("_")
-        }
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__ if not name.startswith("_")}
         values.update(changes)
         return SamplingParams(**values)

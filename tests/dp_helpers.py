@@ -15,10 +15,19 @@ from pdinfer.outputs import RequestOutput
 
 WAIT_S = 600  # liveness bound of every wait: a hang fails the test instead of blocking it
 TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
-    "vocab_size": 49152, "tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1,
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "eos_token_id": 2,
+    "bos_token_id": 1,
 }
 
 
@@ -56,8 +65,7 @@ class Client:
         self.final: dict[str, RequestOutput] = {}
 
     def submit(self, request_id, prompt, params, rank=None, final_only=False) -> None:
-        self.front.submit(request_id, prompt, params, QueueSink(self.items),
-                          final_only=final_only, dp_rank=rank)
+        self.front.submit(request_id, prompt, params, QueueSink(self.items), final_only=final_only, dp_rank=rank)
 
     def pump(self, timeout_s: float = 0.0) -> None:
         try:
@@ -89,8 +97,9 @@ def quiesce(front: DPFront) -> None:
     while True:
         stats = front.rank_stats()
         steps = [s.num_steps for s in stats]
-        settled = (front.is_healthy and not front.requests and len(set(steps)) == 1
-                   and all(s.num_requests == 0 for s in stats))
+        settled = (
+            front.is_healthy and not front.requests and len(set(steps)) == 1 and all(s.num_requests == 0 for s in stats)
+        )
         if settled and steps == last:
             return
         last = steps if settled else None

@@ -42,7 +42,11 @@ class Server:
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
                 pdinfer_command() + self.args + ["--port", str(self.port)],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
         if wait:
             self.wait_healthy()
         return self

@@ -44,8 +44,16 @@ def server(tmp_path_factory):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = pdinfer_command() + [
-        "serve", "--port", str(port), "--api-key", API_KEY, "--kv-cache-memory", "512MiB",
-        "--max-model-len", str(MAX_MODEL_LEN)]
+        "serve",
+        "--port",
+        str(port),
+        "--api-key",
+        API_KEY,
+        "--kv-cache-memory",
+        "512MiB",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+    ]
     env = child_environ({"PDINFER_LOG_LEVEL": "WARNING"})
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -116,14 +124,12 @@ def test_models_lists_the_served_model(client):
 
 def test_completions_greedy_equal_llm(client, greedy_texts):
     for i in (0, 1, 4):
-        out = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=12,
-                                        temperature=0)
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=12, temperature=0)
         assert out.choices[0].text == greedy_texts[12][i]
         assert out.choices[0].finish_reason in ("length", "stop")
         assert out.usage.completion_tokens <= 12
         assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
-    batch = client.completions.create(model=MODEL, prompt=[PROMPTS[2], PROMPTS[5]], max_tokens=12,
-                                      temperature=0)
+    batch = client.completions.create(model=MODEL, prompt=[PROMPTS[2], PROMPTS[5]], max_tokens=12, temperature=0)
     assert [c.index for c in batch.choices] == [0, 1]
     assert [c.text for c in batch.choices] == [greedy_texts[12][2], greedy_texts[12][5]]
 
@@ -132,16 +138,21 @@ def test_return_token_ids_gives_llm_tokens_whole_and_streamed(client, llm):
     """vLLM's ``return_token_ids`` extra: each choice also lists its token ids (what a client
     without the tokenizer compares), in the whole answer and across stream chunks."""
     ids = [PROMPTS[3], [5, 17, 400, 9000, 33]]  # a text prompt and a token-id prompt
-    expected = [o.outputs[0].token_ids for o in llm.generate(
-        [ids[0], {"prompt_token_ids": ids[1]}], SamplingParams(temperature=0.0, max_tokens=10,
-                                                               ignore_eos=True), use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in llm.generate(
+            [ids[0], {"prompt_token_ids": ids[1]}],
+            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+            use_tqdm=False,
+        )
+    ]
     extra = {"return_token_ids": True, "ignore_eos": True}
-    whole = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=10, temperature=0,
-                                      extra_body=extra)
+    whole = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=10, temperature=0, extra_body=extra)
     assert whole.choices[0].model_extra["token_ids"] == expected[0]
     streamed = []
-    for chunk in client.completions.create(model=MODEL, prompt=ids[1], max_tokens=10, temperature=0,
-                                           stream=True, extra_body=extra):
+    for chunk in client.completions.create(
+        model=MODEL, prompt=ids[1], max_tokens=10, temperature=0, stream=True, extra_body=extra
+    ):
         streamed += chunk.choices[0].model_extra["token_ids"]
     assert streamed == expected[1]
     plain = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=2, temperature=0)
@@ -153,9 +164,16 @@ def test_chat_stream_joins_to_the_non_stream_text(client, greedy_texts):
     assert full.choices[0].message.role == "assistant"
     assert full.choices[0].message.content == greedy_texts["chat"]
     assert full.usage.completion_tokens > 0
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     with_choices = [c for c in chunks if c.choices]
     assert len(with_choices) >= 3
     assert with_choices[0].choices[0].delta.role == "assistant"
@@ -165,8 +183,7 @@ def test_chat_stream_joins_to_the_non_stream_text(client, greedy_texts):
 
 
 def test_n_gives_n_choices(client):
-    out = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=8, n=2,
-                                    temperature=1.0, seed=11)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=8, n=2, temperature=1.0, seed=11)
     assert sorted(c.index for c in out.choices) == [0, 1]
     assert all(c.text for c in out.choices)
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, n=2, seed=3)
@@ -175,8 +192,11 @@ def test_n_gives_n_choices(client):
 
 def test_seed_reproduces_sampled_text(client):
     def sample(seed: int) -> str:
-        return client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12,
-                                         temperature=1.0, seed=seed).choices[0].text
+        return (
+            client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=seed)
+            .choices[0]
+            .text
+        )
 
     first = sample(1234)
     assert sample(1234) == first
@@ -184,8 +204,7 @@ def test_seed_reproduces_sampled_text(client):
 
 
 def test_logprobs(client):
-    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0,
-                                    logprobs=3)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3)
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
     assert "".join(lp.tokens) == out.choices[0].text
@@ -193,8 +212,9 @@ def test_logprobs(client):
         assert len(top) == 3 and logprob <= 0
         assert max(top.values()) == pytest.approx(logprob)  # greedy picked the most likely
         assert top[token] == pytest.approx(logprob)
-    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0,
-                                          logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
@@ -224,11 +244,19 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):
         error = resp.json()["error"]
         assert error["message"] and error["param"] == param, (body, error)
         assert error["type"] == "invalid_request_error"
-    too_long = httpx.post(f"{server}/v1/completions", headers=headers, timeout=60,
-                                 json={"model": MODEL, "prompt": [1] * (MAX_MODEL_LEN + 1)})
+    too_long = httpx.post(
+        f"{server}/v1/completions",
+        headers=headers,
+        timeout=60,
+        json={"model": MODEL, "prompt": [1] * (MAX_MODEL_LEN + 1)},
+    )
     assert too_long.json()["error"]["code"] == "context_length_exceeded"
-    resp = httpx.post(f"{server}/v1/completions", content=b"{not json", timeout=60,
-                      headers={**headers, "Content-Type": "application/json"})
+    resp = httpx.post(
+        f"{server}/v1/completions",
+        content=b"{not json",
+        timeout=60,
+        headers={**headers, "Content-Type": "application/json"},
+    )
     assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
     resp = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=60)
     assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
@@ -240,12 +268,12 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):
 
 
 def test_64_concurrent_streams_complete_and_free_every_block(server, greedy_texts):
-    client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0,
-                                timeout=600)
+    client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=600)
 
     async def one(i: int) -> str:
-        stream = await client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)],
-                                                 max_tokens=8, temperature=0, stream=True)
+        stream = await client.completions.create(
+            model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=8, temperature=0, stream=True
+        )
         return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
 
     async def run_all() -> list[str]:
@@ -262,8 +290,7 @@ def test_64_concurrent_streams_complete_and_free_every_block(server, greedy_text
 
 
 def test_client_disconnect_mid_stream_frees_blocks(server):
-    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": MAX_MODEL_LEN - 100,
-            "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True, "stream": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(timeout=120) as http:
         with http.stream("POST", f"{server}/v1/completions", json=body, headers=headers) as resp:
@@ -281,25 +308,28 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
 
 
 def test_client_disconnect_without_stream_frees_blocks(server):
-    body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": MAX_MODEL_LEN - 100,
-            "ignore_eos": True}
+    body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/completions", json=body, timeout=3,
-                   headers={"Authorization": f"Bearer {API_KEY}"})
+        httpx.post(f"{server}/v1/completions", json=body, timeout=3, headers={"Authorization": f"Bearer {API_KEY}"})
     state = wait_blocks_back(server)
     assert state["free_blocks"] == state["total_blocks"]
 
 
 def test_metrics_expose_the_names(server):
     text = httpx.get(f"{server}/metrics", timeout=10).text
-    for name in ("pdinfer_time_to_first_token_seconds_bucket",
-                 "pdinfer_time_per_output_token_seconds_bucket",
-                 "pdinfer_e2e_request_latency_seconds_bucket", "pdinfer_num_requests_waiting",
-                 "pdinfer_num_requests_running", "pdinfer_kv_cache_usage_ratio",
-                 "pdinfer_kv_cache_free_blocks", "pdinfer_prefix_cache_hit_rate",
-                 'pdinfer_requests_finished_total{finish_reason="length"}',
-                 'pdinfer_request_errors_total{kind="invalid_request_error"}',
-                 'pdinfer_request_errors_total{kind="model_not_found"}'):
+    for name in (
+        "pdinfer_time_to_first_token_seconds_bucket",
+        "pdinfer_time_per_output_token_seconds_bucket",
+        "pdinfer_e2e_request_latency_seconds_bucket",
+        "pdinfer_num_requests_waiting",
+        "pdinfer_num_requests_running",
+        "pdinfer_kv_cache_usage_ratio",
+        "pdinfer_kv_cache_free_blocks",
+        "pdinfer_prefix_cache_hit_rate",
+        'pdinfer_requests_finished_total{finish_reason="length"}',
+        'pdinfer_request_errors_total{kind="invalid_request_error"}',
+        'pdinfer_request_errors_total{kind="model_not_found"}',
+    ):
         assert name in text, name
     assert "pdinfer_engine_healthy 1.0" in text
 
@@ -359,8 +389,7 @@ def test_overload_answers_503(async_engine):
             # Two more queue behind it (a NORMAL engine prefills them only at its next prefill
             # point, 70 decode steps on); with max_waiting=2 a fourth is refused.
             short = {**long, "max_tokens": 2}
-            queued = [asyncio.ensure_future(http.post("/v1/completions", json=short, timeout=600))
-                      for _ in range(2)]
+            queued = [asyncio.ensure_future(http.post("/v1/completions", json=short, timeout=600)) for _ in range(2)]
             await until(lambda: async_engine.num_waiting() == 2)
             refused = await http.post("/v1/completions", json=long, timeout=600)
             assert refused.json()["error"]["code"] == "overloaded"

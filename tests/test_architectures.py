@@ -18,13 +18,26 @@ NEW_TOKENS = 16
 PROMPT_LENS = (5, 23, 70, 97, 130)  # mixed; three are longer than the 64-token original context
 MAX_REL_ERR = 1e-4
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512,
-             initializer_range=0.2, bos_token_id=1, eos_token_id=2)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-YARN_ROPE = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
-             "rope_theta": 10000.0}
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+YARN_ROPE = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
 
 CASES = {
     "llama-tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
@@ -121,6 +134,7 @@ def test_sliding_window_caps_the_context(tmp_path):
     llm = LLM(model=str(tmp_path), num_kv_blocks=64)
     assert llm.engine.scheduler_config.max_model_len == window
     _assert_matches(llm, hf_model, _random_prompts((5, 20, window - NEW_TOKENS)), "mistral-window")
-    too_long = llm.generate([{"prompt_token_ids": _random_prompts((70,))[0]}],
-                            SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    too_long = llm.generate(
+        [{"prompt_token_ids": _random_prompts((70,))[0]}], SamplingParams(max_tokens=4), use_tqdm=False
+    )[0]
     assert too_long.error and not too_long.outputs[0].token_ids

@@ -21,8 +21,9 @@ def _start(*args: str) -> subprocess.Popen:
     script = Path(sys.executable).with_name("pdinfer")  # the installed entry point
     command = [str(script)] if script.exists() else [sys.executable, "-m", "pdinfer.cli"]
     env = child_environ({"PDINFER_LOG_LEVEL": "WARNING"})
-    return subprocess.Popen(command + ["generate", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        command + ["generate", *args], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
 
 
 def _check(proc: subprocess.Popen, expected: str) -> None:
@@ -59,8 +60,7 @@ def test_generate_chat_applies_the_chat_template(runs, llm):
     _check(runs["chat"], text)
 
 
-@pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--max-tokens", "0"),
-                                         ("--kv-cache-memory", "lots")])
+@pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--max-tokens", "0"), ("--kv-cache-memory", "lots")])
 def test_generate_refuses_bad_flags_before_loading(flag, value):
     proc = _start(PROMPT, flag, value)
     _, stderr = proc.communicate(timeout=120)

@@ -113,9 +113,18 @@ def test_preemption_and_recompute_matches_transformers(prompt_ids, reference, mo
 
 
 def test_zero_overhead_scheduling_on_and_off_identical(prompt_ids, monkeypatch):
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True,
-                             presence_penalty=0.5 * (i % 2), repetition_penalty=1.0 + 0.1 * (i % 3))
-              for i in range(len(prompt_ids))]
+    params = [
+        SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            seed=i,
+            max_tokens=24,
+            ignore_eos=True,
+            presence_penalty=0.5 * (i % 2),
+            repetition_penalty=1.0 + 0.1 * (i % 3),
+        )
+        for i in range(len(prompt_ids))
+    ]
     runs = []
     for zos in ("0", "1"):
         monkeypatch.setenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", zos)

@@ -79,9 +79,15 @@ def _decode_case(head_dim: int, group: int, lengths: list[int], seed: int = 0, d
         v = blocks[:, 1].reshape(-1, KV_HEADS, head_dim)[:n].transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(q[i].float()[None, :, None], k, v, enable_gqa=group > 1)
         ref.append(out.view(heads, head_dim))
-    inp = StepInput(step_id=0, is_prompt=False, input_ids=[0] * len(lengths),
-                    positions=[n - 1 for n in lengths], query_lens=[1] * len(lengths),
-                    context_lens=list(lengths), block_tables=tables)
+    inp = StepInput(
+        step_id=0,
+        is_prompt=False,
+        input_ids=[0] * len(lengths),
+        positions=[n - 1 for n in lengths],
+        query_lens=[1] * len(lengths),
+        context_lens=list(lengths),
+        block_tables=tables,
+    )
     return kv, layer, q, inp, torch.stack(ref)
 
 
@@ -93,8 +99,9 @@ def _run_decode(kv, layer, q, inp, kernel):
     # The backend first writes the new tokens' K/V: write back what the cache holds there.
     for i, (n, table) in enumerate(zip(inp.context_lens, inp.block_tables)):
         k_new[i] = kv[table[(n - 1) // BLOCK], layer, 0, (n - 1) % BLOCK]
-    v_new = torch.stack([kv[t[(n - 1) // BLOCK], layer, 1, (n - 1) % BLOCK]
-                         for n, t in zip(inp.context_lens, inp.block_tables)])
+    v_new = torch.stack(
+        [kv[t[(n - 1) // BLOCK], layer, 1, (n - 1) % BLOCK] for n, t in zip(inp.context_lens, inp.block_tables)]
+    )
     return backend.forward(q, k_new, v_new, kv[:, layer], meta)
 
 
@@ -144,8 +151,9 @@ def test_torch_decode_fallback_matches_sdpa(lengths):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def _prefill_case(head_dim: int, group: int, query_lens: list[int], context_lens: list[int], seed: int = 0,
-                  dtype=torch.float32):
+def _prefill_case(
+    head_dim: int, group: int, query_lens: list[int], context_lens: list[int], seed: int = 0, dtype=torch.float32
+):
     """A prefill step: random cached prefixes (context - query tokens), new tokens' Q/K/V, and the
     SDPA reference (each query at its position, causal over prefix + new tokens; float32
     arithmetic on the ``dtype`` values)."""
@@ -160,13 +168,21 @@ def _prefill_case(head_dim: int, group: int, query_lens: list[int], context_lens
         k = torch.cat([cached[0], k_new[start : start + qlen].float()]).transpose(0, 1)[None]
         v = torch.cat([cached[1], v_new[start : start + qlen].float()]).transpose(0, 1)[None]
         mask = torch.arange(ctx)[None] <= torch.arange(ctx - qlen, ctx)[:, None]
-        out = F.scaled_dot_product_attention(q[start : start + qlen].float().transpose(0, 1)[None], k, v,
-                                             attn_mask=mask, enable_gqa=group > 1)
+        out = F.scaled_dot_product_attention(
+            q[start : start + qlen].float().transpose(0, 1)[None], k, v, attn_mask=mask, enable_gqa=group > 1
+        )
         ref.append(out[0].transpose(0, 1))
         start += qlen
     positions = [p for qlen, ctx in zip(query_lens, context_lens) for p in range(ctx - qlen, ctx)]
-    inp = StepInput(step_id=0, is_prompt=True, input_ids=[0] * tokens, positions=positions,
-                    query_lens=list(query_lens), context_lens=list(context_lens), block_tables=tables)
+    inp = StepInput(
+        step_id=0,
+        is_prompt=True,
+        input_ids=[0] * tokens,
+        positions=positions,
+        query_lens=list(query_lens),
+        context_lens=list(context_lens),
+        block_tables=tables,
+    )
     backend = TorchPagedAttention(heads, KV_HEADS, head_dim, head_dim**-0.5)
     return kv, layer, backend, (q, k_new, v_new), inp, torch.cat(ref)
 
@@ -192,13 +208,17 @@ def test_native_prefill_matches_sdpa(kernel_paths, head_dim, group, query_lens, 
 
 @pytest.mark.parametrize("head_dim,group,query_lens,context_lens", _PREFILL_CASES[:3])
 def test_native_prefill_reads_a_bfloat16_cache(kernel_paths, head_dim, group, query_lens, context_lens):
-    kv, layer, backend, (q, k, v), inp, ref = _prefill_case(head_dim, group, query_lens, context_lens,
-                                                            seed=3, dtype=torch.bfloat16)
+    kv, layer, backend, (q, k, v), inp, ref = _prefill_case(
+        head_dim, group, query_lens, context_lens, seed=3, dtype=torch.bfloat16
+    )
     out = backend.forward(q, k, v, kv[:, layer], build_attention_metadata(inp, kv, kernel_paths))
     assert out.dtype == torch.bfloat16
     # The new tokens' K/V went into the cache as they were (bfloat16 in, bfloat16 out).
-    rows = [t[(p // BLOCK)] for t, (qlen, ctx) in zip(inp.block_tables, zip(query_lens, context_lens))
-            for p in range(ctx - qlen, ctx)]
+    rows = [
+        t[(p // BLOCK)]
+        for t, (qlen, ctx) in zip(inp.block_tables, zip(query_lens, context_lens))
+        for p in range(ctx - qlen, ctx)
+    ]
     offsets = [p % BLOCK for qlen, ctx in zip(query_lens, context_lens) for p in range(ctx - qlen, ctx)]
     assert torch.equal(kv[rows, layer, 0, offsets], k) and torch.equal(kv[rows, layer, 1, offsets], v)
     torch.testing.assert_close(out.float(), ref, **BF16_ROUNDING)
@@ -218,8 +238,9 @@ def test_small_gemm_matches_linear(kernels, rows):
     weight, bias = torch.randn(8 * 9 + 3, 7 * 64, generator=gen), torch.randn(8 * 9 + 3, generator=gen)
     out = cpu_kernels.small_linear(kernels, x, weight, bias)
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(cpu_kernels.small_linear(kernels, x, weight, None), F.linear(x, weight),
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        cpu_kernels.small_linear(kernels, x, weight, None), F.linear(x, weight), rtol=1e-5, atol=1e-4
+    )
 
 
 def _gguf_blocks(gguf_type: str, rows: int, cols: int, seed: int):
@@ -259,8 +280,9 @@ def test_quantized_gemm_matches_linear_on_dequantized_weights(kernel_paths, gguf
     quant = QuantWeight.from_gguf(gguf_type, raw)
     ref = F.linear(x.double(), weight.double(), bias.double()).float()
     torch.testing.assert_close(quant.linear(kernels, x, bias), ref, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(quant.linear(kernels, x, None), F.linear(x.double(), weight.double()).float(),
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        quant.linear(kernels, x, None), F.linear(x.double(), weight.double()).float(), rtol=1e-5, atol=1e-4
+    )
     # The packed layer takes the quantized paths up to max_rows rows (the tiled GEMM's limit
     # for the block kind), oneDNN above.
     assert quant.max_rows == QUANT_TILED_MAX_ROWS["q8" if gguf_type == "Q8_0" else "q4"]

@@ -71,9 +71,20 @@ def test_messages_round_trip_and_old_hellos_still_decode():
     layout = KVLayout(model="m", dtype="bfloat16", num_layers=2, num_kv_heads=1, head_dim=4, block_size=16)
     hello = Hello(layout=layout, engine_type=1, data_plane="cuda_ipc", data_info=b"\x01\x02")
     assert decode(encode(hello, b"k"), b"k") == hello
-    push = KVPush(transfer_id="t", request_id="r", instance_id="i", num_tokens=3, first_token=7,
-                  first_tokens=[7], seed=0, block_ids=[4, 5], nbytes=1024, checksum=99,
-                  staging_offset=512, staging_info=b"seg")
+    push = KVPush(
+        transfer_id="t",
+        request_id="r",
+        instance_id="i",
+        num_tokens=3,
+        first_token=7,
+        first_tokens=[7],
+        seed=0,
+        block_ids=[4, 5],
+        nbytes=1024,
+        checksum=99,
+        staging_offset=512,
+        staging_info=b"seg",
+    )
     assert decode(encode(push, None), None) == push
 
     class OldHello(msgspec.Struct, tag="hello"):  # what a peer without device transports sends
@@ -193,10 +204,21 @@ def test_nccl_pair_drains_a_refused_push_and_lands_the_next():
         instance = pe.connect(ce.address)
         pushes = []
         for transfer_id, src in (("refused", [0, 1]), ("landed", [4, 2, 5])):
-            staged, nbytes, crc = pe.stage_blocks(SimpleNamespace(kv=pe_kv, bytes_per_block=ce_cache.bytes_per_block),
-                                                  src).finish()
-            push = KVPush(transfer_id=transfer_id, request_id=transfer_id, instance_id=instance, num_tokens=4,
-                          first_token=1, first_tokens=[1], seed=0, block_ids=[3, 0, 1][: len(src)], nbytes=nbytes, checksum=crc)
+            staged, nbytes, crc = pe.stage_blocks(
+                SimpleNamespace(kv=pe_kv, bytes_per_block=ce_cache.bytes_per_block), src
+            ).finish()
+            push = KVPush(
+                transfer_id=transfer_id,
+                request_id=transfer_id,
+                instance_id=instance,
+                num_tokens=4,
+                first_token=1,
+                first_tokens=[1],
+                seed=0,
+                block_ids=[3, 0, 1][: len(src)],
+                nbytes=nbytes,
+                checksum=crc,
+            )
             pe.send(ce.address, push, staged)
             pushes.append(push)
         arrivals = []

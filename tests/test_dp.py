@@ -60,12 +60,21 @@ def tiny_model(tmp_path_factory):
 def front(tiny_model, tmp_path_factory):
     step_log = tmp_path_factory.mktemp("steps") / "steps.log"
     saved = dict(os.environ)
-    os.environ.update(PDINFER_STEP_LOG=str(step_log),
-                      PDINFER_PREFILL_ATTEMPT_INTERVAL=str(ALL_INTERVAL),
-                      PDINFER_PREFILL_ANY_ATTEMPT_INTERVAL=str(ANY_INTERVAL))
+    os.environ.update(
+        PDINFER_STEP_LOG=str(step_log),
+        PDINFER_PREFILL_ATTEMPT_INTERVAL=str(ALL_INTERVAL),
+        PDINFER_PREFILL_ANY_ATTEMPT_INTERVAL=str(ANY_INTERVAL),
+    )
     model, tokenizer = tiny_model
-    args = EngineArgs(model=model, tokenizer=tokenizer, load_format="dummy", data_parallel_size=2,
-                      max_model_len=512, num_kv_blocks=64, max_num_seqs=MAX_NUM_SEQS)
+    args = EngineArgs(
+        model=model,
+        tokenizer=tokenizer,
+        load_format="dummy",
+        data_parallel_size=2,
+        max_model_len=512,
+        num_kv_blocks=64,
+        max_num_seqs=MAX_NUM_SEQS,
+    )
     front = DPFront(args, DPOptions(timeout_s=20.0))
     front.step_log = step_log
     front.start()
@@ -104,8 +113,9 @@ def test_output_deltas_round_trip_with_a_trimmed_stop_string():
     texts = [("Hello wor", [1, 2]), ("Hello world STO", [1, 2, 3, 4]), ("Hello world", [1, 2, 3, 4])]
     for i, (text, tokens) in enumerate(texts):
         last = i == len(texts) - 1
-        out = RequestOutput("r", None, [5], [CompletionOutput(0, text, tokens,
-                            finish_reason="stop" if last else None)], finished=last)
+        out = RequestOutput(
+            "r", None, [5], [CompletionOutput(0, text, tokens, finish_reason="stop" if last else None)], finished=last
+        )
         dec.apply(enc.encode(out))
         assert [(c.text, c.token_ids) for c in dec.snapshot()] == [(text, tokens)]
 
@@ -152,8 +162,12 @@ def test_a_collective_with_a_dead_or_stuck_peer_fails_within_the_group_timeout(h
     from pdinfer.distributed.dp_group import host_store
 
     store = host_store("127.0.0.1")
-    procs = [subprocess.Popen([sys.executable, "-c", _GROUP_SCRIPT, str(r), str(store.port), how],
-                              stdout=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _GROUP_SCRIPT, str(r), str(store.port), how], stdout=subprocess.PIPE, text=True
+        )
+        for r in range(2)
+    ]
     try:
         out, _ = procs[0].communicate(timeout=WAIT_S)  # a hang here fails the test
         assert "min [0, 4]" in out
@@ -298,8 +312,10 @@ def _compare_dp2_with_one_engine(prompts, **engine_kwargs) -> None:
     single = LLM(**engine_kwargs)
     dp = LLM(data_parallel_size=2, **engine_kwargs)
     try:
-        for params in (SamplingParams(temperature=0.0, max_tokens=16),
-                       SamplingParams(temperature=1.0, seed=7, max_tokens=16, n=2)):
+        for params in (
+            SamplingParams(temperature=0.0, max_tokens=16),
+            SamplingParams(temperature=1.0, seed=7, max_tokens=16, n=2),
+        ):
             want = single.generate(prompts, params, use_tqdm=False)
             got = dp.generate(prompts, params, use_tqdm=False)
             assert _choices(got) == _choices(want)
@@ -310,8 +326,9 @@ def _compare_dp2_with_one_engine(prompts, **engine_kwargs) -> None:
 
 def test_dp2_llm_output_equals_one_engine(tiny_model):
     model, tokenizer = tiny_model
-    _compare_dp2_with_one_engine(PROMPTS, model=model, tokenizer=tokenizer, load_format="dummy",
-                                 max_model_len=512, num_kv_blocks=64)
+    _compare_dp2_with_one_engine(
+        PROMPTS, model=model, tokenizer=tokenizer, load_format="dummy", max_model_len=512, num_kv_blocks=64
+    )
 
 
 @pytest.mark.slow
@@ -321,17 +338,32 @@ def test_dp2_llm_output_equals_one_engine_on_the_default_model():
 
 def test_pdinfer_serve_data_parallel_streams_and_recovers_from_a_killed_rank(tiny_model, tmp_path):
     model, tokenizer = tiny_model
-    server = Server(["serve", "--data-parallel-size", "2", "--model", model, "--tokenizer",
-                     tokenizer, "--load-format", "dummy", "--max-model-len", "256",
-                     "--num-kv-blocks", "32"], tmp_path / "serve.log").start()
+    server = Server(
+        [
+            "serve",
+            "--data-parallel-size",
+            "2",
+            "--model",
+            model,
+            "--tokenizer",
+            tokenizer,
+            "--load-format",
+            "dummy",
+            "--max-model-len",
+            "256",
+            "--num-kv-blocks",
+            "32",
+        ],
+        tmp_path / "serve.log",
+    ).start()
     body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
     pids: list[int] = []
     try:
         plain = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
-        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True},
-                          timeout=60) as r:
-            chunks = [json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
-                      if line.startswith("data: {")]
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            chunks = [
+                json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines() if line.startswith("data: {")
+            ]
         assert "".join(chunks) == plain["choices"][0]["text"] and len(chunks) >= 2
         metrics = httpx.get(f"{server.url}/metrics").text.splitlines()
         total = [line for line in metrics if line.startswith("pdinfer_kv_cache_total_blocks")]
@@ -360,12 +392,26 @@ def test_ranks_of_another_host_join_through_an_agent_and_restart_with_the_group(
     model, tokenizer = tiny_model
     port = two_free_ports()
     with open(tmp_path / "agent.log", "w") as log:  # "host 1": rank 1, started by its agent
-        agent = subprocess.Popen(pdinfer_command() + [
-            "serve", "--headless", "--data-parallel-size", "2", "--data-parallel-size-local", "1",
-            "--dp-rank-offset", "1", "--dp-master-port", str(port)], stdout=log,
-            stderr=subprocess.STDOUT)
-    args = EngineArgs(model=model, tokenizer=tokenizer, load_format="dummy", data_parallel_size=2,
-                      max_model_len=256, num_kv_blocks=32)
+        agent = subprocess.Popen(
+            pdinfer_command()
+            + [
+                "serve",
+                "--headless",
+                "--data-parallel-size",
+                "2",
+                "--data-parallel-size-local",
+                "1",
+                "--dp-rank-offset",
+                "1",
+                "--dp-master-port",
+                str(port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    args = EngineArgs(
+        model=model, tokenizer=tokenizer, load_format="dummy", data_parallel_size=2, max_model_len=256, num_kv_blocks=32
+    )
     front = DPFront(args, DPOptions(master_port=port, num_local_ranks=1))
     front.start()
     remote: list[int] = []

@@ -14,20 +14,22 @@ def llm():
 
 
 def _still_serves(llm):
-    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4),
-                       use_tqdm=False)[0]
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert out.error is None and len(out.outputs[0].token_ids) == 4
     assert_blocks_back(llm.engine)
 
 
-@pytest.mark.parametrize("prompt, message", [
-    ("", "empty"),
-    ({"prompt_token_ids": []}, "empty"),
-    ({"prompt_token_ids": [1, -5]}, "token ids"),
-    ({"prompt_token_ids": [10**9]}, "token ids"),
-    ({"text": "no ids"}, "prompt_token_ids"),
-    (42, "a prompt is text"),
-])
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("", "empty"),
+        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": [1, -5]}, "token ids"),
+        ({"prompt_token_ids": [10**9]}, "token ids"),
+        ({"text": "no ids"}, "prompt_token_ids"),
+        (42, "a prompt is text"),
+    ],
+)
 def test_bad_prompts_raise_before_anything_runs(llm, prompt, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(["fine", prompt], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -35,17 +37,20 @@ def test_bad_prompts_raise_before_anything_runs(llm, prompt, message):
     _still_serves(llm)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": -3}, "max_tokens"),
-    ({"temperature": -0.1}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"n": 0}, "n must be"),
-    ({"min_p": 2.0}, "min_p"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"n": 0}, "n must be"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ],
+)
 def test_bad_sampling_params_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
@@ -54,8 +59,7 @@ def test_bad_sampling_params_are_refused(kwargs, message):
 def test_prompt_over_the_context_ends_with_an_error_not_a_truncation(llm, tokenizer):
     long_ids = tokenizer("word " * 400).input_ids
     assert len(long_ids) > 256
-    outs = llm.generate([{"prompt_token_ids": long_ids}, "Hello"], SamplingParams(max_tokens=3),
-                        use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": long_ids}, "Hello"], SamplingParams(max_tokens=3), use_tqdm=False)
     assert outs[0].finished and outs[0].outputs[0].finish_reason == "error"
     assert "exceeds the limit of 256 tokens" in outs[0].error
     assert outs[0].outputs[0].token_ids == []

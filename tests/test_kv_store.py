@@ -226,8 +226,7 @@ def _tokens(outputs):
 
 
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
-def test_store_on_equals_store_off_and_a_fresh_engine_loads_it(
-        baseline, writer, reader, prefixes, kind):
+def test_store_on_equals_store_off_and_a_fresh_engine_loads_it(baseline, writer, reader, prefixes, kind):
     prefix, questions = prefixes[0][0], prefixes[1]
     prompts = _prompts(prefix, questions[:3] if kind == "greedy" else questions[3:6])
     expected = baseline.generate(prompts, _params(kind), use_tqdm=False)
@@ -313,8 +312,9 @@ def test_another_process_loads_the_prefix(baseline, writer, store_dir, prefixes)
     prompts = _prompts(prefix, questions[6:9])  # new questions after the stored prefix
     env = dict(os.environ, PDINFER_LOG_LEVEL="WARNING")
     arg = json.dumps([store_dir, [p["prompt_token_ids"] for p in prompts], GREEDY])
-    proc = subprocess.run([sys.executable, "-c", _OTHER_PROCESS, arg], capture_output=True,
-                          text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", _OTHER_PROCESS, arg], capture_output=True, text=True, timeout=600, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["loaded"] == len(prefix) // BLOCK
@@ -330,8 +330,9 @@ def _pd_engines(store_dir, name):
     from pdinfer.engine.prefill_engine import PrefillEngine
 
     common = dict(kv_cache_memory=512 << 20, num_kv_blocks=NUM_KV_BLOCKS, kv_store=store_dir)
-    ce = CompletionEngine(EngineArgs(engine_type="completion", kv_transfer={"connector": "local", "name": name},
-                                     **common))
+    ce = CompletionEngine(
+        EngineArgs(engine_type="completion", kv_transfer={"connector": "local", "name": name}, **common)
+    )
     return ce, lambda: PrefillEngine(EngineArgs(engine_type="prompt", kv_transfer={"connector": "local"}, **common))
 
 
@@ -358,8 +359,9 @@ def test_pd_completion_engine_saves_and_a_fresh_prefill_engine_loads(baseline, s
         prompts = _prompts(prefix, questions[:2])
         requests = [(f"a-{i}", p, _params("greedy")) for i, p in enumerate(prompts)]
         _, outs = _run_pair(PDPair(first, ce), requests)
-        assert [outs[r].outputs[0].token_ids for r, _, _ in requests] == \
-            _tokens(baseline.generate(prompts, _params("greedy"), use_tqdm=False))
+        assert [outs[r].outputs[0].token_ids for r, _, _ in requests] == _tokens(
+            baseline.generate(prompts, _params("greedy"), use_tqdm=False)
+        )
         assert ce.kv_store.flush(60) and ce.kv_store.stats()["saved_blocks"] > 0
         assert "saved_blocks" not in first.kv_store.stats()  # a PE's prompts are saved by the CE
         second = make_pe()  # a PE that has never seen this prefix
@@ -369,8 +371,9 @@ def test_pd_completion_engine_saves_and_a_fresh_prefill_engine_loads(baseline, s
         assert pe_seqs["b-0"].num_cached_tokens == len(prefix) // BLOCK * BLOCK
         assert second.kv_store.stats()["loaded_blocks"] == len(prefix) // BLOCK
         assert [outs[r].error for r, _, _ in requests] == [None] * 2
-        assert [outs[r].outputs[0].token_ids for r, _, _ in requests] == \
-            _tokens(baseline.generate(prompts, _params("seeded"), use_tqdm=False))
+        assert [outs[r].outputs[0].token_ids for r, _, _ in requests] == _tokens(
+            baseline.generate(prompts, _params("seeded"), use_tqdm=False)
+        )
         _all_free(ce, first, second, baseline.engine)
     finally:
         for engine in (first, second, ce):

@@ -35,19 +35,24 @@ def references():
     for name, extra in (("greedy", {"temperature": 0.0}), ("seeded", SEEDED)):
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, **extra), use_tqdm=False)
         refs[name] = [o.outputs[0].text for o in outs]
-    refs["greedy8"] = [o.outputs[0].text for o in llm.generate(
-        PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)]
-    refs["chat"] = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=16),
-                            use_tqdm=False)[0].outputs[0].text
+    refs["greedy8"] = [
+        o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    ]
+    refs["chat"] = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
     del llm
     return refs
 
 
 def start_launch(args: list[str], log_dir: Path) -> subprocess.Popen:
     err = open(log_dir / "launch.err", "w")
-    return subprocess.Popen(pdinfer_command() + ["launch", *args, "--log-dir", str(log_dir)],
-                            stdout=subprocess.PIPE, stderr=err, text=True,
-                            start_new_session=True, env=child_environ({"PDINFER_LOG_LEVEL": "WARNING"}))
+    return subprocess.Popen(
+        pdinfer_command() + ["launch", *args, "--log-dir", str(log_dir)],
+        stdout=subprocess.PIPE,
+        stderr=err,
+        text=True,
+        start_new_session=True,
+        env=child_environ({"PDINFER_LOG_LEVEL": "WARNING"}),
+    )
 
 
 def wait_ready(proc: subprocess.Popen, port: int, log_dir: Path) -> dict[str, dict]:
@@ -79,22 +84,19 @@ def cluster(references, tmp_path_factory):
     proc = start_launch(["--prefill", "1", "--decode", "1", "--port", str(port), *ENGINE], log_dir)
     try:
         children = wait_ready(proc, port, log_dir)
-        yield {"proc": proc, "url": f"http://127.0.0.1:{port}", "children": children,
-               "log_dir": log_dir}
+        yield {"proc": proc, "url": f"http://127.0.0.1:{port}", "children": children, "log_dir": log_dir}
     finally:
         stop(proc)
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster['url']}/v1", api_key="unused", max_retries=0,
-                         timeout=600)
+    return openai.OpenAI(base_url=f"{cluster['url']}/v1", api_key="unused", max_retries=0, timeout=600)
 
 
 def test_completions_equal_llm_greedy_and_seeded(client, references):
     for i in range(len(PROMPTS)):
-        greedy = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=12,
-                                           temperature=0)
+        greedy = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=12, temperature=0)
         assert greedy.choices[0].text == references["greedy"][i]
     batch = client.completions.create(model=MODEL, prompt=PROMPTS[:5], max_tokens=12, **SEEDED)
     assert [c.index for c in batch.choices] == list(range(5))
@@ -106,9 +108,16 @@ def test_completions_equal_llm_greedy_and_seeded(client, references):
 def test_chat_streams_in_several_chunks_and_n_gives_n_choices(client, references):
     full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
     assert full.choices[0].message.content == references["chat"]
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     with_text = [c for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(with_text) >= 3
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -122,8 +131,10 @@ def test_chat_streams_in_several_chunks_and_n_gives_n_choices(client, references
 
 
 def engine_kv(cluster) -> list[dict]:
-    return [httpx.get(f"{cluster['children'][name]['url']}/debug/kv", timeout=10).json()
-            for name in ("prompt-0", "completion-0")]
+    return [
+        httpx.get(f"{cluster['children'][name]['url']}/debug/kv", timeout=10).json()
+        for name in ("prompt-0", "completion-0")
+    ]
 
 
 def wait_all_blocks_back(cluster, timeout_s: float = 120) -> list[dict]:
@@ -137,12 +148,12 @@ def wait_all_blocks_back(cluster, timeout_s: float = 120) -> list[dict]:
 
 
 def test_64_concurrent_streams_complete_and_disconnects_free_blocks(cluster, references):
-    aclient = openai.AsyncOpenAI(base_url=f"{cluster['url']}/v1", api_key="unused",
-                                 max_retries=0, timeout=600)
+    aclient = openai.AsyncOpenAI(base_url=f"{cluster['url']}/v1", api_key="unused", max_retries=0, timeout=600)
 
     async def one(i: int) -> str:
-        stream = await aclient.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)],
-                                                  max_tokens=8, temperature=0, stream=True)
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=8, temperature=0, stream=True
+        )
         return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
 
     async def run_all() -> list[str]:
@@ -157,8 +168,7 @@ def test_64_concurrent_streams_complete_and_disconnects_free_blocks(cluster, ref
     body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 600, "ignore_eos": True}
     with httpx.Client(timeout=120) as http:
         for _ in range(3):
-            with http.stream("POST", f"{cluster['url']}/v1/completions",
-                             json={**body, "stream": True}) as resp:
+            with http.stream("POST", f"{cluster['url']}/v1/completions", json={**body, "stream": True}) as resp:
                 assert resp.status_code == 200
                 events = 0
                 for line in resp.iter_lines():
@@ -213,8 +223,9 @@ def test_sigterm_stops_every_child(cluster):
 
 def test_a_child_dying_at_startup_stops_the_rest(tmp_path):
     missing = str(tmp_path / "missing.gguf")  # every child's command line names it
-    proc = start_launch(["--prefill", "1", "--decode", "2", "--port", str(free_port()),
-                         "--model", missing, *ENGINE], tmp_path)
+    proc = start_launch(
+        ["--prefill", "1", "--decode", "2", "--port", str(free_port()), "--model", missing, *ENGINE], tmp_path
+    )
     assert proc.wait(STARTUP_TIMEOUT_S) == 1
     err = (tmp_path / "launch.err").read_text()
     assert "exited with" in err and "does not exist" in err
@@ -233,19 +244,29 @@ def test_a_child_dying_at_startup_stops_the_rest(tmp_path):
 def test_short_prompts_go_to_the_normal_engine(references, tmp_path):
     """1P1D + 1 NORMAL: prompts of at most 8 tokens are proxied to the NORMAL engine."""
     port = free_port()
-    proc = start_launch(["--prefill", "1", "--decode", "1", "--normal", "1", "--port", str(port),
-                         "--router-arg=--normal-max-prompt-tokens=8", *ENGINE], tmp_path)
+    proc = start_launch(
+        [
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--normal",
+            "1",
+            "--port",
+            str(port),
+            "--router-arg=--normal-max-prompt-tokens=8",
+            *ENGINE,
+        ],
+        tmp_path,
+    )
     try:
         children = wait_ready(proc, port, tmp_path)
         url = f"http://127.0.0.1:{port}"
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                               timeout=600)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
         for i in (0, 3):  # 5 prompt tokens: NORMAL; 55: P/D
-            out = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=12,
-                                            temperature=0)
+            out = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=12, temperature=0)
             assert out.choices[0].text == references["greedy"][i]
-        stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12,
-                                           temperature=0, stream=True)
+        stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in stream if c.choices) == references["greedy"][0]
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         normal = children["normal-0"]["url"]

@@ -1,13 +1,23 @@
-"""The code base stays ruff-clean (STYLE.md: lint runs in CI, inside the test command)."""
+"""The code base stays ruff-clean and ruff-formatted (STYLE.md: lint and format run in CI,
+inside the test command)."""
 
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PATHS = ["pdinfer", "tests", "benchmarks"]
+
+
+def _ruff(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ruff", *args, *PATHS], cwd=ROOT, capture_output=True, text=True)
 
 
 def test_ruff_is_clean():
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "pdinfer", "tests", "benchmarks"],
-                            cwd=ROOT, capture_output=True, text=True)
+    result = _ruff("check")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_is_applied():
+    result = _ruff("format", "--check")
+    assert result.returncode == 0, "run `ruff format pdinfer tests benchmarks`:\n" + result.stdout + result.stderr

@@ -27,8 +27,9 @@ def pe_engine(**kv):
 
 
 def ce_engine(num_kv_blocks=None, **kv):
-    return CompletionEngine(EngineArgs(engine_type="completion", kv_cache_memory=MEM,
-                                       num_kv_blocks=num_kv_blocks, kv_transfer=kv))
+    return CompletionEngine(
+        EngineArgs(engine_type="completion", kv_cache_memory=MEM, num_kv_blocks=num_kv_blocks, kv_transfer=kv)
+    )
 
 
 def all_free(*engines):
@@ -47,8 +48,12 @@ def run(pair, deadline_s=120):
 
 
 # Every connector-dependent test runs once per transport; Mooncake's run doubles the P/D time.
-CONNECTORS = ["tcp", pytest.param("mooncake", marks=[
-    pytest.mark.slow, pytest.mark.skipif(not mooncake_available(), reason=INSTALL_HINT)])]
+CONNECTORS = [
+    "tcp",
+    pytest.param(
+        "mooncake", marks=[pytest.mark.slow, pytest.mark.skipif(not mooncake_available(), reason=INSTALL_HINT)]
+    ),
+]
 
 
 @pytest.fixture(scope="module", params=CONNECTORS)
@@ -83,11 +88,15 @@ def _prompts(prompt_ids):
     return [{"prompt_token_ids": ids[: 8 + 7 * i]} for i, ids in enumerate(prompt_ids * 2)][:16]
 
 
-@pytest.mark.parametrize("params", [
-    GREEDY,
-    SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=24, ignore_eos=True),
-    SamplingParams(n=2, temperature=1.0, seed=99, max_tokens=12, ignore_eos=True),
-], ids=["greedy", "seeded", "n2"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        GREEDY,
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=24, ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, seed=99, max_tokens=12, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded", "n2"],
+)
 def test_pd_output_equals_normal(tcp_pair, normal, prompt_ids, params):
     prompts = _prompts(prompt_ids)
     expected = normal.generate(prompts, params, use_tqdm=False)
@@ -124,8 +133,9 @@ def test_prompt_engine_with_zero_overhead_scheduling_hands_off(normal, prompt_id
         pair.add_request(f"zos-{i}", prompt, GREEDY)
     got = run(pair, deadline_s=120)
     expected = normal.generate(prompts, GREEDY, use_tqdm=False)
-    assert [got[f"zos-{i}"].outputs[0].token_ids for i in range(len(prompts))] == \
-        [e.outputs[0].token_ids for e in expected]
+    assert [got[f"zos-{i}"].outputs[0].token_ids for i in range(len(prompts))] == [
+        e.outputs[0].token_ids for e in expected
+    ]
     all_free(pe, ce)
 
 
@@ -136,8 +146,7 @@ def test_first_token_comes_from_the_pe_and_ce_never_prefills(tcp_pair, prompt_id
     ce.post_schedule = lambda plan: (prefill_steps.append(plan.prompt_run), original(plan))
     try:
         reservation = ce.reserve("solo", {"prompt_token_ids": prompt_ids[2]}, GREEDY)
-        pe_seq = tcp_pair.pe.add_request("solo", {"prompt_token_ids": prompt_ids[2]}, GREEDY,
-                                         reservation=reservation)
+        pe_seq = tcp_pair.pe.add_request("solo", {"prompt_token_ids": prompt_ids[2]}, GREEDY, reservation=reservation)
         out = run(tcp_pair)["solo"]
     finally:
         ce.post_schedule = original
@@ -165,8 +174,9 @@ def test_ce_without_room_refuses_and_the_request_is_not_lost(connector, prompt_i
 
 def test_handshake_mismatch_is_refused_at_connect(connector):
     ce = ce_engine(connector=connector, reservation_timeout_s=1.0)
-    pe = PrefillEngine(EngineArgs(engine_type="prompt", kv_cache_memory=MEM, block_size=32,
-                                  kv_transfer={"connector": connector}))
+    pe = PrefillEngine(
+        EngineArgs(engine_type="prompt", kv_cache_memory=MEM, block_size=32, kv_transfer={"connector": connector})
+    )
     reservation = ce.reserve("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
     with pytest.raises(HandshakeError, match="block_size"):
         pe.add_request("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY, reservation=reservation)
@@ -204,11 +214,18 @@ def _raw_push(ce, reservation, corrupt: str, connector: str):
         payload[nbytes // 2] ^= 0xFF  # the checksum no longer matches
     elif corrupt == "truncate":
         payload = payload[: nbytes // 2]
-    push = KVPush(transfer_id=reservation.transfer_id, request_id=reservation.request_id,
-                  instance_id=reservation.instance_id, num_tokens=reservation.num_prompt_tokens,
-                  first_token=5, first_tokens=[5], seed=1,
-                  block_ids=reservation.block_ids[: ce.block_manager.blocks_for(reservation.num_prompt_tokens)],
-                  nbytes=nbytes, checksum=crc)
+    push = KVPush(
+        transfer_id=reservation.transfer_id,
+        request_id=reservation.request_id,
+        instance_id=reservation.instance_id,
+        num_tokens=reservation.num_prompt_tokens,
+        first_token=5,
+        first_tokens=[5],
+        seed=1,
+        block_ids=reservation.block_ids[: ce.block_manager.blocks_for(reservation.num_prompt_tokens)],
+        nbytes=nbytes,
+        checksum=crc,
+    )
     sender.send(reservation.address, push, bytes(payload))
     return sender
 

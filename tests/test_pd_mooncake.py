@@ -83,8 +83,7 @@ def test_pe_never_writes_after_the_reservation_expired(prompt_ids):
     reservation = ce.reserve("r", prompt, GREEDY)
     pe.add_request("r", prompt, GREEDY, reservation=reservation)
     time.sleep(0.6)  # the prefill finishes after the CE's reservation timeout
-    pe_outs, _ = _step_until([pe, ce], lambda: not (pe.has_unfinished_requests()
-                                                    or ce.has_unfinished_requests()))
+    pe_outs, _ = _step_until([pe, ce], lambda: not (pe.has_unfinished_requests() or ce.has_unfinished_requests()))
     assert "reservation expired" in pe_outs["r"].error
     assert not _written(ce, reservation.block_ids)
     all_free(pe, ce)

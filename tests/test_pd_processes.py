@@ -26,8 +26,11 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=16, ign
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
-    ce = Server(["serve", "--role", "completion", *ENGINE, "--kv-reservation-timeout-s", "20"],
-                tmp / "ce.log", env={"PDINFER_STEP_LOG": str(tmp / "ce.steps")})
+    ce = Server(
+        ["serve", "--role", "completion", *ENGINE, "--kv-reservation-timeout-s", "20"],
+        tmp / "ce.log",
+        env={"PDINFER_STEP_LOG": str(tmp / "ce.steps")},
+    )
     pe = Server(["serve", "--role", "prompt", *ENGINE, "--kv-lease-s", "3"], tmp / "pe.log")
     ce.start(wait=False)
     pe.start(wait=False)
@@ -40,8 +43,9 @@ def cluster(tmp_path_factory):
         ce.stop()
 
 
-def pd_generate(pe_url: str, ce_url: str, request_id: str, ids: list[int], params: SamplingParams,
-                on_reserved=None) -> dict:
+def pd_generate(
+    pe_url: str, ce_url: str, request_id: str, ids: list[int], params: SamplingParams, on_reserved=None
+) -> dict:
     body = {"request_id": request_id, "prompt_token_ids": ids, "sampling": sampling_to_dict(params)}
     tokens: list[int] = []
     result: dict = {}
@@ -75,14 +79,16 @@ def pd_generate(pe_url: str, ce_url: str, request_id: str, ids: list[int], param
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_16_prompts_through_pe_and_ce_equal_normal(cluster, prompt_ids, params):
     prompts = [ids[: 10 + 9 * i] for i, ids in enumerate(prompt_ids * 2)][:16]
-    expected = [o.outputs[0].token_ids
-                for o in make_llm(kv_cache_memory=512 << 20).generate(
-                    [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in make_llm(kv_cache_memory=512 << 20).generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
+    ]
     results = [None] * len(prompts)
 
     def one(i):
-        results[i] = pd_generate(cluster["pe"].url, cluster["ce"].url, f"r{params.seed}-{i}",
-                                 prompts[i], params)
+        results[i] = pd_generate(cluster["pe"].url, cluster["ce"].url, f"r{params.seed}-{i}", prompts[i], params)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -101,13 +107,20 @@ def test_16_prompts_through_pe_and_ce_equal_normal(cluster, prompt_ids, params):
 
 
 def test_client_abort_during_decode_frees_the_ce(cluster, prompt_ids):
-    body = {"request_id": "gone", "prompt_token_ids": prompt_ids[5],
-            "sampling": sampling_to_dict(SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))}
+    body = {
+        "request_id": "gone",
+        "prompt_token_ids": prompt_ids[5],
+        "sampling": sampling_to_dict(SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)),
+    }
     with httpx.stream("POST", f"{cluster['ce'].url}/pd/decode", json=body, timeout=60) as stream:
         lines = stream.iter_lines()
         reservation = json.loads(next(line for line in lines if line.startswith("data: "))[6:])["reservation"]
-        assert httpx.post(f"{cluster['pe'].url}/pd/prefill", json={**body, "reservation": reservation},
-                          timeout=60).status_code == 200
+        assert (
+            httpx.post(
+                f"{cluster['pe'].url}/pd/prefill", json={**body, "reservation": reservation}, timeout=60
+            ).status_code
+            == 200
+        )
         next(line for line in lines if line.startswith("data: "))  # decoding has begun
     # the stream is closed: the CE aborts the request
     for server in (cluster["ce"], cluster["pe"]):
@@ -155,9 +168,12 @@ def test_device_connectors_across_processes(tmp_path, prompt_ids, connector):
         ce.wait_healthy()
         pe.wait_healthy()
         prompts = [ids[: 12 + 20 * i] for i, ids in enumerate(prompt_ids[:4])]
-        expected = [o.outputs[0].token_ids
-                    for o in make_llm(kv_cache_memory=512 << 20).generate(
-                        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+        expected = [
+            o.outputs[0].token_ids
+            for o in make_llm(kv_cache_memory=512 << 20).generate(
+                [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False
+            )
+        ]
         for i, (prompt, want) in enumerate(zip(prompts, expected)):
             result = pd_generate(pe.url, ce.url, f"{connector}-{i}", prompt, GREEDY)
             assert result["prefill_status"] == 200, result

@@ -16,9 +16,17 @@ from pdinfer.core.outputs import SchedulerOutputs
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SMALL = dict(kv_cache_memory=640 << 20)
 
-HOOKS = ["post_schedule", "should_copy_state", "do_copy_state", "do_save_kvcache",
-         "pe_prepare_save_kvcache", "finalize_seq", "post_process", "pe_do_save_kvcache",
-         "send_processed_prompts"]
+HOOKS = [
+    "post_schedule",
+    "should_copy_state",
+    "do_copy_state",
+    "do_save_kvcache",
+    "pe_prepare_save_kvcache",
+    "finalize_seq",
+    "post_process",
+    "pe_do_save_kvcache",
+    "send_processed_prompts",
+]
 
 
 class Traced(LLMEngine):
@@ -48,19 +56,28 @@ class Traced(LLMEngine):
     def do_save_kvcache(self, scheduled, finished):
         self.trace.append("do_save_kvcache")
         if self.copy_all:
-            self.saved.append((self.copy_state_event, dict(self.copy_state),
-                               [(s.seq_id, list(s.block_table)) for s in scheduled]))
+            self.saved.append(
+                (self.copy_state_event, dict(self.copy_state), [(s.seq_id, list(s.block_table)) for s in scheduled])
+            )
 
 
 def _traced_method(name):
     def method(self, *args, **kwargs):
         self.trace.append(name)
         return getattr(LLMEngine, name)(self, *args, **kwargs)
+
     return method
 
 
-for _name in ["post_schedule", "do_copy_state", "pe_prepare_save_kvcache", "finalize_seq",
-              "post_process", "pe_do_save_kvcache", "send_processed_prompts"]:
+for _name in [
+    "post_schedule",
+    "do_copy_state",
+    "pe_prepare_save_kvcache",
+    "finalize_seq",
+    "post_process",
+    "pe_do_save_kvcache",
+    "send_processed_prompts",
+]:
     setattr(Traced, _name, _traced_method(_name))
 
 
@@ -87,8 +104,7 @@ def _zos_off_unless_asked(monkeypatch):
 
 # --- invariants of the seed ----------------------------------------------------------------------
 def test_engine_type_ints_are_validated():
-    assert [EngineType.from_int(i) for i in (0, 1, 2)] == [EngineType.NORMAL, EngineType.PROMPT,
-                                                          EngineType.COMPLETION]
+    assert [EngineType.from_int(i) for i in (0, 1, 2)] == [EngineType.NORMAL, EngineType.PROMPT, EngineType.COMPLETION]
     for bad in (3, -1, True, "1", 1.0):
         with pytest.raises(ValueError):
             EngineType.from_int(bad)
@@ -215,8 +231,14 @@ def test_hook_order_with_zero_overhead_scheduling(monkeypatch):
     steps = _split_steps(e.trace)
     # post_process of step N runs after step N+1 was launched and its pre_sampler_sync ran
     assert steps[0] == ["post_schedule", "launch", "pe_prepare_save_kvcache"]
-    assert steps[1] == ["post_schedule", "should_copy_state", "launch", "do_save_kvcache",
-                        "post_process", "pe_do_save_kvcache"]
+    assert steps[1] == [
+        "post_schedule",
+        "should_copy_state",
+        "launch",
+        "do_save_kvcache",
+        "post_process",
+        "pe_do_save_kvcache",
+    ]
 
 
 class OverlapProbe(LLMEngine):
@@ -276,8 +298,7 @@ def test_forks_share_blocks_then_copy_and_follow_forced_tokens(prompt_ids, refer
     first = parent.output_token_ids[0]
     alternatives = [t for t in parent.output_logprobs[0] if t != first][:2]
     free_before = e.get_num_free_blocks()
-    forks = [e.fork_request(parent, request_id=f"fork{i}", replace_last_token_id=t)
-             for i, t in enumerate(alternatives)]
+    forks = [e.fork_request(parent, request_id=f"fork{i}", replace_last_token_id=t) for i, t in enumerate(alternatives)]
     assert e.get_num_free_blocks() == free_before  # the forks share every block
     e.step()
     assert e.get_num_free_blocks() == free_before - len(forks)  # each copied the partial block
@@ -314,10 +335,14 @@ def test_n_outputs_compute_the_prompt_once(prompt_ids):
     assert len({tuple(t) for t in runs[0]}) == 3  # the three outputs differ
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-    SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=12, ignore_eos=True),
-], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=12, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_sequence_handed_to_a_completion_engine_decodes_without_prefill(prompt_ids, params):
     ids = prompt_ids[6]
     normal = engine()

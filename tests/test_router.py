@@ -31,13 +31,11 @@ MODEL = "SmolLM2-135M-Instruct"
 
 # --- load balancers ---------------------------------------------------------------------------------
 def _engines(role: str, n: int) -> list[Engine]:
-    return [Engine(f"http://pe{i}" if role == "prefill" else f"http://ce{i}", role, healthy=True)
-            for i in range(n)]
+    return [Engine(f"http://pe{i}" if role == "prefill" else f"http://ce{i}", role, healthy=True) for i in range(n)]
 
 
 def test_buckets_and_chained_block_hashes():
-    assert [bucket_of(n) for n in (1, 511, 512, 2047, 2048, 8191, 8192, 10**6)] == [
-        0, 0, 1, 1, 2, 2, 3, 3]
+    assert [bucket_of(n) for n in (1, 511, 512, 2047, 2048, 8191, 8192, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 3]
     ids = list(range(40))  # two full blocks of 16, 8 tokens left over
     first = chain_hash(ROOT_HASH, ids[:16])
     assert block_hashes(ids) == [first, chain_hash(first, ids[16:32])]
@@ -115,8 +113,10 @@ def cluster(tmp_path_factory):
     ces = [Server(["serve", "--role", "completion", *ENGINE], tmp / f"ce{i}.log") for i in range(2)]
     pe = Server(["serve", "--role", "prompt", *ENGINE, "--kv-lease-s", "5"], tmp / "pe.log")
     engines = [pe, *ces]
-    router = Server(["router", "--prefill", pe.url, "--decode", ces[0].url, ces[1].url,
-                     "--health-interval-s", "0.5"], tmp / "router.log")
+    router = Server(
+        ["router", "--prefill", pe.url, "--decode", ces[0].url, ces[1].url, "--health-interval-s", "0.5"],
+        tmp / "router.log",
+    )
     try:
         for server in engines:
             server.start(wait=False)
@@ -144,8 +144,7 @@ def engines_seen(router_url: str) -> list[dict]:
 def metric(router_url: str, name: str) -> float:
     """The sum of a Prometheus metric's samples whose line starts with ``name``."""
     text = httpx.get(f"{router_url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -170,8 +169,9 @@ def test_bad_requests_get_4xx_and_the_router_keeps_serving(cluster):
         assert resp.status_code == status, (body, resp.text)
         error = resp.json()["error"]
         assert error["message"] and error["param"] == param, (body, error)
-    resp = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=60,
-                      headers={"Content-Type": "application/json"})
+    resp = httpx.post(
+        f"{url}/v1/completions", content=b"{not json", timeout=60, headers={"Content-Type": "application/json"}
+    )
     assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
@@ -187,13 +187,24 @@ def test_pd_through_the_router_returns_llm_token_ids(cluster):
     from pdinfer import SamplingParams
 
     prompt = [7, 300, 1200, 45, 9000, 12, 77, 4096]
-    expected = make_llm(kv_cache_memory=512 << 20, max_model_len=1024).generate(
-        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-        use_tqdm=False)[0].outputs[0].token_ids
-    client = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0,
-                           timeout=300)
-    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
-                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    expected = (
+        make_llm(kv_cache_memory=512 << 20, max_model_len=1024)
+        .generate(
+            [{"prompt_token_ids": prompt}],
+            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    client = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0, timeout=300)
+    out = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     assert out.choices[0].model_extra["token_ids"] == expected
 
 
@@ -201,13 +212,17 @@ def _stream_all(url: str, prompts: list[str], max_tokens: int, results: dict) ->
     """One thread per request: results[i] = ("completed", tokens) or ("error", message)."""
 
     def one(i: int) -> None:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                               timeout=300)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
         try:
             stream = client.completions.create(
-                model=MODEL, prompt=prompts[i], max_tokens=max_tokens, temperature=0,
-                stream=True, stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True})
+                model=MODEL,
+                prompt=prompts[i],
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             usage = [chunk.usage for chunk in stream if chunk.usage]
             results[i] = ("completed", usage[0].completion_tokens)
         except openai.APIError as exc:
@@ -243,13 +258,15 @@ def test_killed_ce_under_load_every_request_ends_and_new_ones_succeed(cluster):
     # the victim's requests were retried elsewhere or ended with a clear error
     errors = sum(kind == "error" for kind, _ in outcomes)
     assert errors + metric(url, "pdinfer_router_retries_total") - retries_before > 0
-    assert metric(url, "pdinfer_router_ejections_total{engine=\"" + victim.url) >= 1
+    assert metric(url, 'pdinfer_router_ejections_total{engine="' + victim.url) >= 1
     assert not victim_state()["healthy"]
     # new requests succeed on the surviving CE
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     for prompt in PROMPTS[:3]:
-        assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
-                                          temperature=0).usage.completion_tokens == 6
+        assert (
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).usage.completion_tokens
+            == 6
+        )
     for server in (survivor, cluster["pe"]):
         kv = server.wait_blocks_back()
         assert kv["free_blocks"] == kv["total_blocks"]
@@ -259,21 +276,25 @@ def test_restarted_ce_on_the_same_port_comes_back_into_rotation(cluster):
     url, victim = cluster["router"].url, cluster["ces"][1]
     if victim.proc is not None and victim.proc.poll() is None:
         victim.kill()  # this test also stands alone
-    restarted = Server(["serve", "--role", "completion", *ENGINE], cluster["tmp"] / "ce1b.log",
-                       port=victim.port)
+    restarted = Server(["serve", "--role", "completion", *ENGINE], cluster["tmp"] / "ce1b.log", port=victim.port)
     cluster["ces"][1] = restarted
     restarted.start()
-    wait_for(lambda: next(e for e in engines_seen(url) if e["url"] == victim.url)["healthy"],
-             "the restarted CE back in rotation")
+    wait_for(
+        lambda: next(e for e in engines_seen(url) if e["url"] == victim.url)["healthy"],
+        "the restarted CE back in rotation",
+    )
     routed = f'pdinfer_router_requests_routed_total{{engine="{victim.url}",role="decode"}}'
     before = metric(url, routed)
 
     async def burst() -> list[int]:
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                                    timeout=300)
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
         try:
-            outs = await asyncio.gather(*(client.completions.create(
-                model=MODEL, prompt=PROMPTS[i], max_tokens=8, temperature=0) for i in range(6)))
+            outs = await asyncio.gather(
+                *(
+                    client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=8, temperature=0)
+                    for i in range(6)
+                )
+            )
             return [o.usage.completion_tokens for o in outs]
         finally:
             await client.close()

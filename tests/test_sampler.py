@@ -32,13 +32,34 @@ COMPOSED_PARAMS = dict(temperature=2.0, top_k=4, top_p=0.8, min_p=0.4)
 COMPOSED_EXPECTED = [E(1) / (E(1.5) + E(1)), 0, 0, 0, E(1.5) / (E(1.5) + E(1)), 0]
 
 
-def spec(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, position=0, presence=0.0,
-         frequency=0.0, repetition=1.0, prompt=None, output=None) -> SampleSpec:
+def spec(
+    temperature=1.0,
+    top_k=-1,
+    top_p=1.0,
+    min_p=0.0,
+    seed=0,
+    position=0,
+    presence=0.0,
+    frequency=0.0,
+    repetition=1.0,
+    prompt=None,
+    output=None,
+) -> SampleSpec:
     penalized = presence != 0 or frequency != 0 or repetition != 1
-    return SampleSpec(row=0, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                      seed=seed, position=position, presence=presence, frequency=frequency,
-                      repetition=repetition, output_tokens=output if penalized else None,
-                      prompt_tokens=prompt if penalized else None)
+    return SampleSpec(
+        row=0,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=seed,
+        position=position,
+        presence=presence,
+        frequency=frequency,
+        repetition=repetition,
+        output_tokens=output if penalized else None,
+        prompt_tokens=prompt if penalized else None,
+    )
 
 
 def tensors(specs: list[SampleSpec], vocab: int):
@@ -56,8 +77,10 @@ def close(actual: torch.Tensor, expected: list[float]) -> None:
 # --- filtered_probs: one filter at a time -----------------------------------------------------
 def test_temperature_scales_logits():
     total = E(2) + E(4) + E(6) + E(0)  # logits [1, 2, 3, 0] / 0.5
-    close(probs_of([[1.0, 2.0, 3.0, 0.0]], [spec(temperature=0.5)])[0],
-          [E(2) / total, E(4) / total, E(6) / total, E(0) / total])
+    close(
+        probs_of([[1.0, 2.0, 3.0, 0.0]], [spec(temperature=0.5)])[0],
+        [E(2) / total, E(4) / total, E(6) / total, E(0) / total],
+    )
 
 
 def test_greedy_row_next_to_sampled_rows_is_untouched_by_temperature():
@@ -84,13 +107,16 @@ def test_top_k_off_rows_keep_everything():
     close(probs[1], [E(1) / total, E(0) / total, E(-1) / total])
 
 
-@pytest.mark.parametrize("top_p, expected", [
-    (0.7, [0.25 / 0.75, 0, 0.5 / 0.75, 0]),  # 0.5 < 0.7 <= 0.5 + 0.25
-    (0.8, [0.25 / 0.9, 0, 0.5 / 0.9, 0.15 / 0.9]),  # 0.75 < 0.8 <= 0.9
-    (0.3, [0, 0, 1, 0]),  # the best token alone reaches it
-    (0.01, [0, 0, 1, 0]),  # at least one token is kept
-    (0.95, [0.25, 0.1, 0.5, 0.15]),  # 0.9 < 0.95: every token is needed
-])
+@pytest.mark.parametrize(
+    "top_p, expected",
+    [
+        (0.7, [0.25 / 0.75, 0, 0.5 / 0.75, 0]),  # 0.5 < 0.7 <= 0.5 + 0.25
+        (0.8, [0.25 / 0.9, 0, 0.5 / 0.9, 0.15 / 0.9]),  # 0.75 < 0.8 <= 0.9
+        (0.3, [0, 0, 1, 0]),  # the best token alone reaches it
+        (0.01, [0, 0, 1, 0]),  # at least one token is kept
+        (0.95, [0.25, 0.1, 0.5, 0.15]),  # 0.9 < 0.95: every token is needed
+    ],
+)
 def test_top_p_keeps_smallest_prefix_reaching_top_p(top_p, expected):
     close(probs_of([QUARTERS], [spec(top_p=top_p)])[0], expected)
 
@@ -105,11 +131,14 @@ def test_top_p_one_is_off_even_for_tiny_probabilities():
     close(probs[1], [1, 0, 0])
 
 
-@pytest.mark.parametrize("min_p, expected", [
-    (0.25, [0.25 / 0.9, 0, 0.5 / 0.9, 0.15 / 0.9]),  # threshold 0.125 drops 0.1
-    (0.4, [0.25 / 0.75, 0, 0.5 / 0.75, 0]),  # threshold 0.2 drops 0.15 and 0.1
-    (1.0, [0, 0, 1, 0]),  # only the best survives
-])
+@pytest.mark.parametrize(
+    "min_p, expected",
+    [
+        (0.25, [0.25 / 0.9, 0, 0.5 / 0.9, 0.15 / 0.9]),  # threshold 0.125 drops 0.1
+        (0.4, [0.25 / 0.75, 0, 0.5 / 0.75, 0]),  # threshold 0.2 drops 0.15 and 0.1
+        (1.0, [0, 0, 1, 0]),  # only the best survives
+    ],
+)
 def test_min_p_is_relative_to_the_max_probability(min_p, expected):
     close(probs_of([QUARTERS], [spec(min_p=min_p)])[0], expected)
 
@@ -123,8 +152,7 @@ PENALTY_LOGITS = [2.0, -1.0, 0.5, 3.0, -0.5, 0.0]
 
 
 def test_repetition_penalty_over_prompt_and_output():
-    t = tensors([spec(repetition=2.0, prompt=[0, 1], output=[4, 4, 5]),
-                 spec(prompt=[3, 2, 2], output=[1])], 6)
+    t = tensors([spec(repetition=2.0, prompt=[0, 1], output=[4, 4, 5]), spec(prompt=[3, 2, 2], output=[1])], 6)
     out = apply_penalties(torch.tensor([PENALTY_LOGITS] * 2), t)
     # seen {0, 1, 4, 5}: 2 / 2 = 1; -1 * 2 = -2; -0.5 * 2 = -1; 0 stays 0. Row 2: no penalty.
     close(out[0], [1.0, -2.0, 0.5, 3.0, -1.0, 0.0])
@@ -154,13 +182,15 @@ def draw(logits: list[float], count: int, seed: int = 7, **params) -> torch.Tens
     return Sampler()(torch.tensor([logits] * count), tensors(specs, len(logits))).token_ids
 
 
-@pytest.mark.parametrize("logits, params, expected", [
-    ([1.0, 2.0, 3.0, 0.0], dict(temperature=0.5),
-     [E(x) / (E(2) + E(4) + E(6) + E(0)) for x in (2, 4, 6, 0)]),
-    (QUARTERS, dict(top_p=0.8), [0.25 / 0.9, 0, 0.5 / 0.9, 0.15 / 0.9]),
-    (COMPOSED_LOGITS, COMPOSED_PARAMS, COMPOSED_EXPECTED),
-    ([1.0, 0.0, 1.0, 0.5, 1.0, 0.0], dict(top_k=2, temperature=1.3), [1 / 3, 0, 1 / 3, 0, 1 / 3, 0]),
-])
+@pytest.mark.parametrize(
+    "logits, params, expected",
+    [
+        ([1.0, 2.0, 3.0, 0.0], dict(temperature=0.5), [E(x) / (E(2) + E(4) + E(6) + E(0)) for x in (2, 4, 6, 0)]),
+        (QUARTERS, dict(top_p=0.8), [0.25 / 0.9, 0, 0.5 / 0.9, 0.15 / 0.9]),
+        (COMPOSED_LOGITS, COMPOSED_PARAMS, COMPOSED_EXPECTED),
+        ([1.0, 0.0, 1.0, 0.5, 1.0, 0.0], dict(top_k=2, temperature=1.3), [1 / 3, 0, 1 / 3, 0, 1 / 3, 0]),
+    ],
+)
 def test_empirical_frequencies_match_the_filtered_distribution(logits, params, expected):
     count = 40000
     tokens = draw(logits, count, **params)
@@ -188,8 +218,11 @@ def test_noise_is_strictly_inside_the_unit_interval():
 
 def test_greedy_rows_return_argmax_of_penalized_logits():
     logits = torch.tensor([[1.0, 5.0, 2.0], [3.0, 2.0, 0.0], [1.0, 5.0, 2.0]])
-    specs = [spec(temperature=0.0), spec(temperature=0.0, repetition=2.0, prompt=[0], output=[]),
-             spec(temperature=0.9, seed=3)]
+    specs = [
+        spec(temperature=0.0),
+        spec(temperature=0.0, repetition=2.0, prompt=[0], output=[]),
+        spec(temperature=0.9, seed=3),
+    ]
     tokens = Sampler()(logits, tensors(specs, 3)).token_ids
     assert tokens[:2].tolist() == [1, 1]  # row 2: 3 / 2 = 1.5 < 2
     all_greedy = Sampler()(logits[:2], tensors(specs[:2], 3)).token_ids
@@ -200,15 +233,20 @@ def test_same_seed_and_position_give_same_token_in_any_batch():
     logits = [0.3, -0.2, 0.9, 0.1, -1.0, 0.5]
     positions = range(500)
     target = [spec(seed=11, position=p, temperature=0.9, top_p=0.95) for p in positions]
-    others = [spec(temperature=0.0), spec(top_k=2, seed=5, position=9),
-              spec(min_p=0.3, seed=1, position=4, repetition=1.3, frequency=0.4, prompt=[1], output=[2, 2])]
+    others = [
+        spec(temperature=0.0),
+        spec(top_k=2, seed=5, position=9),
+        spec(min_p=0.3, seed=1, position=4, repetition=1.3, frequency=0.4, prompt=[1], output=[2, 2]),
+    ]
     mixed = [s for pair in zip(target, others * len(target)) for s in pair]
     alone = Sampler()(torch.tensor([logits] * len(target)), tensors(target[::-1], 6)).token_ids.flip(0)
     together = Sampler()(torch.tensor([logits] * len(mixed)), tensors(mixed, 6)).token_ids[::2]
     assert alone.tolist() == together.tolist()
     assert len(set(alone.tolist())) >= 5  # the stream really varies with position
-    other_seed = Sampler()(torch.tensor([logits] * len(target)),
-                           tensors([spec(seed=12, position=p, temperature=0.9, top_p=0.95) for p in positions], 6))
+    other_seed = Sampler()(
+        torch.tensor([logits] * len(target)),
+        tensors([spec(seed=12, position=p, temperature=0.9, top_p=0.95) for p in positions], 6),
+    )
     assert other_seed.token_ids.tolist() != alone.tolist()
 
 
@@ -218,16 +256,18 @@ def test_seeded_request_same_alone_and_in_mixed_batch(prompt_ids):
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
     prompt = {"prompt_token_ids": prompt_ids[3]}
     alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    others = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_k=5, seed=1, max_tokens=30, ignore_eos=True),
-              SamplingParams(temperature=0.7, min_p=0.1, max_tokens=16, ignore_eos=True),
-              SamplingParams(temperature=0.9, repetition_penalty=1.3, presence_penalty=0.5, seed=3,
-                             max_tokens=28, ignore_eos=True),
-              SamplingParams(temperature=1.2, top_p=0.5, frequency_penalty=0.8, max_tokens=20, ignore_eos=True),
-              seeded.clone(seed=8)]  # the same prompt with another seed
+    others = [
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=5, seed=1, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.7, min_p=0.1, max_tokens=16, ignore_eos=True),
+        SamplingParams(
+            temperature=0.9, repetition_penalty=1.3, presence_penalty=0.5, seed=3, max_tokens=28, ignore_eos=True
+        ),
+        SamplingParams(temperature=1.2, top_p=0.5, frequency_penalty=0.8, max_tokens=20, ignore_eos=True),
+        seeded.clone(seed=8),
+    ]  # the same prompt with another seed
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids[4:9]] + [prompt]
-    outs = llm.generate(prompts[:3] + [prompt] + prompts[3:], others[:3] + [seeded] + others[3:],
-                        use_tqdm=False)
+    outs = llm.generate(prompts[:3] + [prompt] + prompts[3:], others[:3] + [seeded] + others[3:], use_tqdm=False)
     assert len(alone) == 24
     assert outs[3].outputs[0].token_ids == alone
     assert outs[-1].outputs[0].token_ids != alone

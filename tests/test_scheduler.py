@@ -32,8 +32,13 @@ _distinct = iter(range(1000, 10**9, 1000))
 def seq_of(n: int, rid: str = "r", max_tokens: int = 100) -> Sequence:
     """A prompt of n tokens sharing no prefix with any other (no accidental cache hits)."""
     start = next(_distinct)
-    return Sequence(request_id=rid, prompt_token_ids=list(range(start, start + n)),
-                    sampling_params=SamplingParams(), seed=0, max_tokens=max_tokens)
+    return Sequence(
+        request_id=rid,
+        prompt_token_ids=list(range(start, start + n)),
+        sampling_params=SamplingParams(),
+        seed=0,
+        max_tokens=max_tokens,
+    )
 
 
 def land_tokens(sched: Scheduler, plan) -> None:
@@ -65,8 +70,9 @@ def assert_all_blocks_free(sched: Scheduler) -> None:
 def test_prompt_limit_and_validation():
     cfg = SchedulerConfig(engine_type=NORMAL, max_num_batched_tokens=100, max_num_seqs=4, max_model_len=80)
     assert cfg.prompt_limit == 80
-    chunked = SchedulerConfig(engine_type=NORMAL, max_num_batched_tokens=32, max_num_seqs=4,
-                              max_model_len=80, chunked_prefill=True)
+    chunked = SchedulerConfig(
+        engine_type=NORMAL, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=80, chunked_prefill=True
+    )
     assert chunked.prompt_limit == 80
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(engine_type=NORMAL, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=80)
@@ -317,8 +323,7 @@ def test_an_idle_engine_prefills_at_once():
 
 
 def test_kv_watermark_blocks_prefill():
-    sched = make(num_blocks=4, prefill_attempt_interval=1, prefill_any_attempt_interval=1,
-                 prefill_kv_watermark=0.5)
+    sched = make(num_blocks=4, prefill_attempt_interval=1, prefill_any_attempt_interval=1, prefill_kv_watermark=0.5)
     types = _step_types(sched, 3, {0: [seq_of(12, "a")], 1: [seq_of(2, "b")]})
     # a holds 3 of 4 blocks (75% > 50%): b is not prefilled while a runs
     assert types == "PDD"
@@ -388,8 +393,11 @@ def test_forks_clone_their_state_slot_and_slots_come_back():
     from pdinfer.core.state_manager import StateManager
 
     sm = StateManager(4)
-    sched = Scheduler(SchedulerConfig(engine_type=NORMAL, max_num_batched_tokens=64, max_num_seqs=8,
-                                      max_model_len=64), BlockManager(64, 4), state_manager=sm)
+    sched = Scheduler(
+        SchedulerConfig(engine_type=NORMAL, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64),
+        BlockManager(64, 4),
+        state_manager=sm,
+    )
     parent = seq_of(6)
     sched.add_sequence(parent)
     land_tokens(sched, sched.schedule())
@@ -412,8 +420,7 @@ def test_cache_engine_clones_state_slots():
     from pdinfer.models.spec import ModelSpec
     from pdinfer.worker.cache_engine import CacheEngine
 
-    cache = CacheEngine(ModelSpec.from_hf_config(PRESETS["smollm2-135m"]), 2, 4, torch.float32,
-                        torch.device("cpu"))
+    cache = CacheEngine(ModelSpec.from_hf_config(PRESETS["smollm2-135m"]), 2, 4, torch.float32, torch.device("cpu"))
     cache.init_states(3, (5,))
     cache.states[0] = torch.arange(5.0)
     cache.copy_states([(0, 2)])

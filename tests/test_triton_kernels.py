@@ -136,8 +136,7 @@ def test_decode_attention(num_splits, num_heads):
     context_lens = [1, 13, 37, 0, 8]  # 0: a CUDA-graph padding row
     tables = scrambled_tables(context_lens)
     q = torch.randn(len(context_lens), num_heads, HEAD_DIM)
-    out = tp.decode_attention(q, layer, padded_tables(tables), torch.tensor(context_lens),
-                              HEAD_DIM**-0.5, num_splits)
+    out = tp.decode_attention(q, layer, padded_tables(tables), torch.tensor(context_lens), HEAD_DIM**-0.5, num_splits)
     for i, ctx in enumerate(context_lens):
         if ctx == 0:
             assert torch.all(out[i] == 0)
@@ -164,9 +163,15 @@ def test_prefill_attention_with_cached_prefix(num_heads):
     work_seq = [s for s, n in enumerate(tiles) for _ in range(n)]
     work_tile = [t for n in tiles for t in range(n)]
     meta = tp.GpuAttentionMetadata(
-        False, torch.zeros(0, dtype=torch.int64), padded_tables(tables), torch.tensor(context_lens),
-        query_start=torch.tensor(qstart), work_seq=torch.tensor(work_seq),
-        work_tile=torch.tensor(work_tile), num_work=len(work_seq))
+        False,
+        torch.zeros(0, dtype=torch.int64),
+        padded_tables(tables),
+        torch.tensor(context_lens),
+        query_start=torch.tensor(qstart),
+        work_seq=torch.tensor(work_seq),
+        work_tile=torch.tensor(work_tile),
+        num_work=len(work_seq),
+    )
     q = torch.randn(qstart[-1], num_heads, HEAD_DIM)
     out = tp.prefill_attention(q, layer, meta, HEAD_DIM**-0.5)
     for s, (qlen, ctx) in enumerate(zip(query_lens, context_lens)):
@@ -181,8 +186,7 @@ def test_half_precision_decode_close_to_reference():
     context_lens = [29, 64]
     tables = scrambled_tables(context_lens, seed=2)
     q = torch.randn(2, 4, HEAD_DIM).to(torch.float16)
-    out = tp.decode_attention(q, layer, padded_tables(tables), torch.tensor(context_lens),
-                              HEAD_DIM**-0.5, 2)
+    out = tp.decode_attention(q, layer, padded_tables(tables), torch.tensor(context_lens), HEAD_DIM**-0.5, 2)
     for i, ctx in enumerate(context_lens):
         ref = ref_attention(q[i : i + 1], layer, tables[i], ctx, [ctx - 1], HEAD_DIM**-0.5)
         assert rel_err(out[i : i + 1], ref) < 2e-2
@@ -194,12 +198,21 @@ def _tiny_runner():
     from pdinfer.models.spec import ModelSpec
     from pdinfer.worker.model_runner import ModelRunner
 
-    spec = ModelSpec.from_hf_config({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 96,
-        "max_position_embeddings": 256,
-    })
+    spec = ModelSpec.from_hf_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "vocab_size": 96,
+            "max_position_embeddings": 256,
+        }
+    )
     runner = ModelRunner(spec, "", "dummy", torch.float32, torch.device("cpu"), EngineType.NORMAL, seed=3)
     return runner
 
@@ -214,8 +227,15 @@ def test_gpu_step_path_matches_cpu_runner():
         r.init_cache(num_blocks=32, block_size=4)
 
     def sample(row, position, temperature=0.0, seed=0):
-        return SampleSpec(row=row, temperature=temperature, top_k=5 if temperature else 0,
-                          top_p=0.9 if temperature else 1.0, min_p=0.0, seed=seed, position=position)
+        return SampleSpec(
+            row=row,
+            temperature=temperature,
+            top_k=5 if temperature else 0,
+            top_p=0.9 if temperature else 1.0,
+            min_p=0.0,
+            seed=seed,
+            position=position,
+        )
 
     tables = [[7, 2, 9], [11, 4, 30, 1, 5, 6], [8, 3, 12]]
     g = torch.Generator().manual_seed(0)
@@ -223,18 +243,38 @@ def test_gpu_step_path_matches_cpu_runner():
     # step 0: prefill, the third sequence only its first 6 tokens (a chunk)
     lens = [5, 17, 6]
     prefill = StepInput(
-        step_id=0, is_prompt=True, input_ids=[t for p, n in zip(prompts, lens) for t in p[:n]],
-        positions=[i for n in lens for i in range(n)], query_lens=lens, context_lens=lens,
-        block_tables=tables, samples=[sample(4, 5), sample(21, 17, temperature=0.8, seed=11)])
+        step_id=0,
+        is_prompt=True,
+        input_ids=[t for p, n in zip(prompts, lens) for t in p[:n]],
+        positions=[i for n in lens for i in range(n)],
+        query_lens=lens,
+        context_lens=lens,
+        block_tables=tables,
+        samples=[sample(4, 5), sample(21, 17, temperature=0.8, seed=11)],
+    )
     # step 1: the rest of the third prompt, attending to its cached chunk
-    chunk = StepInput(step_id=1, is_prompt=True, input_ids=prompts[2][6:], positions=[6, 7, 8],
-                      query_lens=[3], context_lens=[9], block_tables=[tables[2]],
-                      samples=[sample(2, 9)])
+    chunk = StepInput(
+        step_id=1,
+        is_prompt=True,
+        input_ids=prompts[2][6:],
+        positions=[6, 7, 8],
+        query_lens=[3],
+        context_lens=[9],
+        block_tables=[tables[2]],
+        samples=[sample(2, 9)],
+    )
     # step 2: decode all three; two tokens are still pending (sampled by step 0 and step 1)
-    decode = StepInput(step_id=2, is_prompt=False, input_ids=[-1, 42, -1], positions=[5, 17, 9],
-                       query_lens=[1, 1, 1], context_lens=[6, 18, 10], block_tables=tables,
-                       samples=[sample(0, 6), sample(1, 18), sample(2, 10, temperature=1.0, seed=5)],
-                       pending=[(0, 0, 0), (2, 1, 0)])
+    decode = StepInput(
+        step_id=2,
+        is_prompt=False,
+        input_ids=[-1, 42, -1],
+        positions=[5, 17, 9],
+        query_lens=[1, 1, 1],
+        context_lens=[6, 18, 10],
+        block_tables=tables,
+        samples=[sample(0, 6), sample(1, 18), sample(2, 10, temperature=1.0, seed=5)],
+        pending=[(0, 0, 0), (2, 1, 0)],
+    )
     for inp in (prefill, chunk, decode):
         ref = cpu.execute(inp)
         out = gpu.execute(inp).wait()

@@ -29,8 +29,13 @@ PREEMPTED_ERROR = (
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, dp_group: DPGroup | None = None,
-                 state_manager: StateManager | None = None):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        dp_group: DPGroup | None = None,
+        state_manager: StateManager | None = None,
+    ):
         self.config = config
         self.engine_type = EngineType.from_int(config.engine_type)
         self.block_manager = block_manager
@@ -210,10 +215,14 @@ class Scheduler:
                 break  # preempted while its last token was in flight; wait until it lands
             if seq.num_computed_tokens == 0 and seq.num_tokens > cfg.prompt_limit:
                 self.waiting.popleft()
-                seq.finish(SequenceStatus.FINISHED_IGNORED, error=(
-                    f"prompt of {seq.num_tokens} tokens exceeds the limit of {cfg.prompt_limit} "
-                    f"tokens (max_model_len={cfg.max_model_len}, chunked_prefill={cfg.chunked_prefill}, "
-                    f"max_num_batched_tokens={cfg.max_num_batched_tokens})"))
+                seq.finish(
+                    SequenceStatus.FINISHED_IGNORED,
+                    error=(
+                        f"prompt of {seq.num_tokens} tokens exceeds the limit of {cfg.prompt_limit} "
+                        f"tokens (max_model_len={cfg.max_model_len}, chunked_prefill={cfg.chunked_prefill}, "
+                        f"max_num_batched_tokens={cfg.max_num_batched_tokens})"
+                    ),
+                )
                 outputs.ignored_seqs.append(seq)
                 continue
             # Sequences whose prompt completes join `running` at once; a chunked one will.

@@ -20,19 +20,28 @@ import argparse
 
 def add_dp_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data parallel (with --data-parallel-size N > 1)")
-    g.add_argument("--data-parallel-size-local", type=int, default=None,
-                   help="ranks started on this host (default: all of them)")
-    g.add_argument("--dp-rank-offset", type=int, default=0,
-                   help="first rank of this host (with --headless)")
-    g.add_argument("--dp-master-addr", default="127.0.0.1",
-                   help="address of the front's host, reachable from every rank")
-    g.add_argument("--dp-master-port", type=int, default=0,
-                   help="rendezvous port on the front's host (its request socket is this + 1); "
-                        "0: free ports (one host only)")
-    g.add_argument("--dp-timeout", type=float, default=60.0,
-                   help="seconds a collective may wait for a peer before the rank gives up")
-    g.add_argument("--headless", action="store_true",
-                   help="run this host's ranks of a DP group whose front is elsewhere (no HTTP)")
+    g.add_argument(
+        "--data-parallel-size-local", type=int, default=None, help="ranks started on this host (default: all of them)"
+    )
+    g.add_argument("--dp-rank-offset", type=int, default=0, help="first rank of this host (with --headless)")
+    g.add_argument(
+        "--dp-master-addr", default="127.0.0.1", help="address of the front's host, reachable from every rank"
+    )
+    g.add_argument(
+        "--dp-master-port",
+        type=int,
+        default=0,
+        help="rendezvous port on the front's host (its request socket is this + 1); 0: free ports (one host only)",
+    )
+    g.add_argument(
+        "--dp-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a collective may wait for a peer before the rank gives up",
+    )
+    g.add_argument(
+        "--headless", action="store_true", help="run this host's ranks of a DP group whose front is elsewhere (no HTTP)"
+    )
 
 
 def front_from_args(args: argparse.Namespace, engine_args):
@@ -40,9 +49,12 @@ def front_from_args(args: argparse.Namespace, engine_args):
     from pdinfer.distributed.dp_front import DPFront, DPOptions
 
     try:
-        options = DPOptions(master_addr=args.dp_master_addr, master_port=args.dp_master_port,
-                            num_local_ranks=args.data_parallel_size_local,
-                            timeout_s=args.dp_timeout)
+        options = DPOptions(
+            master_addr=args.dp_master_addr,
+            master_port=args.dp_master_port,
+            num_local_ranks=args.data_parallel_size_local,
+            timeout_s=args.dp_timeout,
+        )
         front = DPFront(engine_args, options, max_waiting=args.max_waiting)
     except ValueError as exc:
         raise SystemExit(f"pdinfer serve: {exc}") from None
@@ -62,7 +74,9 @@ def run_headless(args: argparse.Namespace) -> int:
         raise SystemExit("pdinfer serve --headless: --dp-master-port is required (the front's)")
     local = args.data_parallel_size_local
     if not local or args.dp_rank_offset + local > args.data_parallel_size or args.dp_rank_offset < 1:
-        raise SystemExit("pdinfer serve --headless: need --dp-rank-offset K >= 1 and "
-                         "--data-parallel-size-local L with K + L <= --data-parallel-size")
+        raise SystemExit(
+            "pdinfer serve --headless: need --dp-rank-offset K >= 1 and "
+            "--data-parallel-size-local L with K + L <= --data-parallel-size"
+        )
     address = f"tcp://{args.dp_master_addr}:{args.dp_master_port + 1}"
     return run_agent(address, args.dp_rank_offset, local, silence_timeout_s=args.dp_timeout + 15)

@@ -28,8 +28,7 @@ from pdinfer.distributed.messages import (
 logger = logging.getLogger("pdinfer")
 
 
-def run_agent(front_address: str, rank_offset: int, num_local_ranks: int,
-              silence_timeout_s: float = 75.0) -> int:
+def run_agent(front_address: str, rank_offset: int, num_local_ranks: int, silence_timeout_s: float = 75.0) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"agent{rank_offset}".encode())
@@ -38,8 +37,11 @@ def run_agent(front_address: str, rank_offset: int, num_local_ranks: int,
     sock.send(encode(AgentHello(rank_offset, num_local_ranks)))
     launcher: RankLauncher | None = None
     last_heard_s = time.monotonic()
-    print(f"pdinfer serve --headless: ranks {rank_offset}..{rank_offset + num_local_ranks - 1} "
-          f"waiting for the DP front at {front_address}", flush=True)
+    print(
+        f"pdinfer serve --headless: ranks {rank_offset}..{rank_offset + num_local_ranks - 1} "
+        f"waiting for the DP front at {front_address}",
+        flush=True,
+    )
     try:
         while True:
             if sock.poll(200):
@@ -48,8 +50,11 @@ def run_agent(front_address: str, rank_offset: int, num_local_ranks: int,
                 if isinstance(message, StartGeneration):
                     template = message.template
                     if launcher is None:
-                        launcher = RankLauncher(range(rank_offset, rank_offset + num_local_ranks),
-                                                template, template.engine_args.get("device", "auto"))
+                        launcher = RankLauncher(
+                            range(rank_offset, rank_offset + num_local_ranks),
+                            template,
+                            template.engine_args.get("device", "auto"),
+                        )
                     launcher.template = template
                     launcher.start(message.generation)
                 elif isinstance(message, StopRanks):
@@ -61,8 +66,9 @@ def run_agent(front_address: str, rank_offset: int, num_local_ranks: int,
             for rank, generation, returncode in launcher.poll_exited() if launcher else ():
                 sock.send(encode(RankExited(rank, generation, returncode)))
             if time.monotonic() - last_heard_s > silence_timeout_s:
-                logger.error("the DP front at %s has been silent for %.0f s: stopping",
-                             front_address, silence_timeout_s)
+                logger.error(
+                    "the DP front at %s has been silent for %.0f s: stopping", front_address, silence_timeout_s
+                )
                 return 1
     finally:
         if launcher is not None:

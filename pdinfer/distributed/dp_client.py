@@ -37,8 +37,9 @@ class DPEngineClient:
         return self.front.tokenize(prompt)
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None) -> None:
-        self.front.submit(request_id, prompt, sampling_params or SamplingParams(),
-                          QueueSink(self._items), final_only=True)
+        self.front.submit(
+            request_id, prompt, sampling_params or SamplingParams(), QueueSink(self._items), final_only=True
+        )
         self._unfinished.add(request_id)
 
     def abort_request(self, request_id: str) -> None:

@@ -91,15 +91,15 @@ class DPOptions:
 
 
 class DPFront:
-    def __init__(self, engine_args: EngineArgs, options: DPOptions | None = None,
-                 max_waiting: int | None = None):
+    def __init__(self, engine_args: EngineArgs, options: DPOptions | None = None, max_waiting: int | None = None):
         from pdinfer.models.loader import load_tokenizer, resolve_model
         from pdinfer.models.spec import ModelSpec
 
         if engine_args.role is not EngineType.NORMAL:
             raise ValueError(
                 f"a DP group serves the NORMAL role (its ranks vote on each step's type); "
-                f"{engine_args.role.name} engines scale by running more of them behind the router")
+                f"{engine_args.role.name} engines scale by running more of them behind the router"
+            )
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 (or None for no limit), got {max_waiting}")
         self.options = options or DPOptions()
@@ -109,8 +109,7 @@ class DPFront:
             raise ValueError(f"{num_local} local ranks do not fit a DP group of {self.size}")
         if engine_args.num_threads is None and engine_args.device in ("auto", "cpu"):
             # The ranks share this host's cores: a rank may not grab all of them.
-            engine_args = dataclasses.replace(
-                engine_args, num_threads=max(1, (os.cpu_count() or 1) // num_local))
+            engine_args = dataclasses.replace(engine_args, num_threads=max(1, (os.cpu_count() or 1) // num_local))
         self.engine_args = engine_args
         self.max_waiting = max_waiting
         folder, hf_config = resolve_model(engine_args.model, env.get("PDINFER_CACHE_DIR"))
@@ -136,17 +135,33 @@ class DPFront:
     @property
     def is_healthy(self) -> bool:
         sup = self._supervisor
-        return (self.error is None and not self._stopped and sup is not None and sup.is_ready
-                and self._thread is not None and self._thread.is_alive())
+        return (
+            self.error is None
+            and not self._stopped
+            and sup is not None
+            and sup.is_ready
+            and self._thread is not None
+            and self._thread.is_alive()
+        )
 
     @property
     def stats(self) -> EngineStats:
         sup = self._supervisor
         ranks = sup.rank_stats() if sup is not None else []
-        total = {name: sum(getattr(s, name) for s in ranks) for name in (
-            "num_waiting", "num_running", "num_prompted", "num_requests", "num_free_blocks",
-            "num_total_blocks", "num_prefix_hit_tokens", "num_prefix_query_tokens",
-            "num_preemptions")}
+        total = {
+            name: sum(getattr(s, name) for s in ranks)
+            for name in (
+                "num_waiting",
+                "num_running",
+                "num_prompted",
+                "num_requests",
+                "num_free_blocks",
+                "num_total_blocks",
+                "num_prefix_hit_tokens",
+                "num_prefix_query_tokens",
+                "num_preemptions",
+            )
+        }
         return EngineStats(**total, num_steps=max((s.num_steps for s in ranks), default=0))
 
     def rank_stats(self) -> list[RankStats]:
@@ -170,8 +185,7 @@ class DPFront:
         if self._thread is not None:
             return
         self._supervisor = GroupSupervisor(self)
-        self._thread = threading.Thread(target=self._supervisor.run, name="pdinfer-dp-front",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._supervisor.run, name="pdinfer-dp-front", daemon=True)
         self._thread.start()
         atexit.register(self.shutdown)
 
@@ -195,9 +209,16 @@ class DPFront:
             self._thread.join(timeout_s)
 
     # --- requests ------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt, params: SamplingParams,
-               sink: Callable[[Any], None], *, final_only: bool = False,
-               dp_rank: int | None = None) -> None:
+    def submit(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams,
+        sink: Callable[[Any], None],
+        *,
+        final_only: bool = False,
+        dp_rank: int | None = None,
+    ) -> None:
         """Add a request from any thread; its outputs (or an exception) go to ``sink``, called
         from the front's I/O thread (it must not block). ``dp_rank`` pins it to one rank."""
         if not isinstance(params, SamplingParams):
@@ -208,8 +229,7 @@ class DPFront:
         text, token_ids = self.tokenize(prompt)
         values = params_to_dict(params)
         values["seed"] = params.resolved_seed()
-        tracked = TrackedRequest(request_id, text, token_ids, values, sink, final_only, dp_rank,
-                                 time.monotonic())
+        tracked = TrackedRequest(request_id, text, token_ids, values, sink, final_only, dp_rank, time.monotonic())
         with self.lock:
             if self.error is not None or self._stopped or self._thread is None:
                 raise EngineDeadError(self._dead_message())
@@ -219,21 +239,22 @@ class DPFront:
                 waiting = sum(1 for r in self.requests.values() if r.first_token_s is None)
                 if waiting >= self.max_waiting:
                     raise EngineOverloadedError(
-                        f"the engine has {waiting} requests waiting (limit {self.max_waiting}); "
-                        "retry later")
+                        f"the engine has {waiting} requests waiting (limit {self.max_waiting}); retry later"
+                    )
             self.requests[request_id] = tracked
             self.commands.append(("add", request_id))
         self._supervisor.wake()
 
-    async def add_request(self, request_id: str, prompt, params: SamplingParams, *,
-                          dp_rank: int | None = None) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt, params: SamplingParams, *, dp_rank: int | None = None
+    ) -> RequestStream:
         items: asyncio.Queue = asyncio.Queue()
-        self.submit(request_id, prompt, params, AsyncSink(asyncio.get_running_loop(), items),
-                    dp_rank=dp_rank)
+        self.submit(request_id, prompt, params, AsyncSink(asyncio.get_running_loop(), items), dp_rank=dp_rank)
         return RequestStream(self, request_id, items)  # type: ignore[arg-type]
 
-    async def generate(self, request_id: str, prompt, params: SamplingParams, *,
-                       dp_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt, params: SamplingParams, *, dp_rank: int | None = None
+    ) -> AsyncIterator[RequestOutput]:
         stream = await self.add_request(request_id, prompt, params, dp_rank=dp_rank)
         try:
             async for output in stream:

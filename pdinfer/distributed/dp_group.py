@@ -41,15 +41,22 @@ def host_store(host: str, port: int = 0, timeout_s: float = 30.0) -> dist.TCPSto
     authentication; so we bind the listening socket to ``host`` ourselves and hand it over
     (``master_listen_fd``; the store owns it from then on)."""
     timeout = timedelta(seconds=timeout_s)
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+        0
+    ]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen(128)
-        return dist.TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                             timeout=timeout, master_listen_fd=sock.detach())
+        return dist.TCPStore(
+            host,
+            sock.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+            master_listen_fd=sock.detach(),
+        )
     except BaseException:
         sock.close()
         raise
@@ -65,8 +72,17 @@ class TorchDPGroup:
     """One rank's membership of the DP group. Build it, hand it to ``LLMEngine``, load, then
     ``join()``; ``all_reduce_min`` before ``join`` is an error."""
 
-    def __init__(self, rank: int, size: int, master_addr: str, master_port: int, *,
-                 generation: int = 0, backend: str = "auto", timeout_s: float = 60.0):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        master_addr: str,
+        master_port: int,
+        *,
+        generation: int = 0,
+        backend: str = "auto",
+        timeout_s: float = 60.0,
+    ):
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"DP rank {rank} is outside a group of {size}")
         if timeout_s <= 0:
@@ -99,8 +115,9 @@ class TorchDPGroup:
                 raise ValueError(f"the NCCL DP backend needs a CUDA device, got {device}")
             self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
             self._stream = torch.cuda.Stream(self.device)
-        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size,
-                                timeout=timedelta(seconds=self.timeout_s))
+        dist.init_process_group(
+            self.backend, store=store, rank=self.rank, world_size=self.size, timeout=timedelta(seconds=self.timeout_s)
+        )
         self._joined = True
 
     def all_reduce_min(self, values: list[int]) -> list[int]:
@@ -120,7 +137,8 @@ class TorchDPGroup:
         except RuntimeError as exc:
             raise DPGroupError(
                 f"DP rank {self.rank}/{self.size}: all-reduce failed (a peer died or did not "
-                f"answer within {self.timeout_s:g} s): {str(exc).splitlines()[0]}") from exc
+                f"answer within {self.timeout_s:g} s): {str(exc).splitlines()[0]}"
+            ) from exc
         self.total_ns += time.perf_counter_ns() - start
         self.num_calls += 1
         return result

@@ -147,15 +147,21 @@ class RankLoop:
     def stats(self) -> RankStats:
         sched, blocks = self.engine.scheduler, self.engine.block_manager
         return RankStats(
-            num_waiting=len(sched.waiting), num_running=len(sched.running),
-            num_prompted=len(sched.prompted), num_requests=len(self.engine.requests),
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            num_prompted=len(sched.prompted),
+            num_requests=len(self.engine.requests),
             waiting_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
             running_kv_tokens=sum(s.num_computed_tokens for s in sched.running),
-            num_free_blocks=blocks.num_free_blocks, num_total_blocks=blocks.num_total_blocks,
+            num_free_blocks=blocks.num_free_blocks,
+            num_total_blocks=blocks.num_total_blocks,
             num_prefix_hit_tokens=blocks.num_prefix_hits,
             num_prefix_query_tokens=blocks.num_prefix_queries,
-            num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
-            num_allreduce=self.group.num_calls, allreduce_ns=self.group.total_ns)
+            num_preemptions=sched.num_preemptions,
+            num_steps=self.num_steps,
+            num_allreduce=self.group.num_calls,
+            allreduce_ns=self.group.total_ns,
+        )
 
 
 def run_rank(cfg: RankConfig) -> int:
@@ -166,17 +172,24 @@ def run_rank(cfg: RankConfig) -> int:
     channel = FrontChannel(cfg.front_address, identity)
     engine = group = None
     try:
-        group = TorchDPGroup(cfg.rank, cfg.size, cfg.master_addr, cfg.master_port,
-                             generation=cfg.generation, backend=cfg.backend, timeout_s=cfg.timeout_s)
+        group = TorchDPGroup(
+            cfg.rank,
+            cfg.size,
+            cfg.master_addr,
+            cfg.master_port,
+            generation=cfg.generation,
+            backend=cfg.backend,
+            timeout_s=cfg.timeout_s,
+        )
         engine = LLMEngine(engine_args_from_dict(cfg.engine_args), dp_group=group)
         group.join(cfg.startup_timeout_s, device=engine.device)
-        channel.send(RankReady(cfg.rank, cfg.generation, os.getpid(), engine.num_blocks,
-                               engine.cache_config.block_size))
+        channel.send(
+            RankReady(cfg.rank, cfg.generation, os.getpid(), engine.num_blocks, engine.cache_config.block_size)
+        )
         RankLoop(cfg, engine, group, channel).run()
     except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
         logger.error("DP rank %d failed: %s", cfg.rank, exc, exc_info=not _is_peer_failure(exc))
-        channel.send(RankFailed(cfg.rank, cfg.generation, f"{type(exc).__name__}: {exc}",
-                                peer=_is_peer_failure(exc)))
+        channel.send(RankFailed(cfg.rank, cfg.generation, f"{type(exc).__name__}: {exc}", peer=_is_peer_failure(exc)))
         channel.close()
         return 1
     engine.shutdown()
@@ -199,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     import pdinfer  # noqa: F401  (sets up the pdinfer logger)
 
     for handler in logger.handlers:
-        handler.setFormatter(logging.Formatter(
-            f"%(asctime)s %(levelname)s pdinfer[dp{cfg.rank}]: %(message)s"))
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s pdinfer[dp{cfg.rank}]: %(message)s"))
     return run_rank(cfg)
 
 

@@ -96,12 +96,20 @@ class GroupSupervisor:
         if backend == "auto":  # resolved once here, so every host's ranks agree
             backend = default_backend(device, exclusive_gpus=visible_devices(num_local) is not None)
         self.template = RankConfig(
-            rank=0, size=self.size, generation=0, master_addr=opts.master_addr,
-            master_port=self._store.port, front_address=self.front_address,
-            engine_args=engine_args_to_dict(front.engine_args), parent_pid=0,
-            backend=backend, timeout_s=opts.timeout_s,
-            startup_timeout_s=opts.startup_timeout_s, front_timeout_s=opts.heartbeat_s,
-            max_idle_sleep_ms=opts.max_idle_sleep_ms)
+            rank=0,
+            size=self.size,
+            generation=0,
+            master_addr=opts.master_addr,
+            master_port=self._store.port,
+            front_address=self.front_address,
+            engine_args=engine_args_to_dict(front.engine_args),
+            parent_pid=0,
+            backend=backend,
+            timeout_s=opts.timeout_s,
+            startup_timeout_s=opts.startup_timeout_s,
+            front_timeout_s=opts.heartbeat_s,
+            max_idle_sleep_ms=opts.max_idle_sleep_ms,
+        )
         self.launcher = RankLauncher(range(num_local), self.template, device)
 
     def _open_sockets(self) -> None:
@@ -225,8 +233,7 @@ class GroupSupervisor:
         if self.is_ready:
             for i, rank in enumerate(self.ranks):
                 if now - rank.last_seen_s > self.options.heartbeat_s:
-                    self._fail_soon(f"DP rank {i} sent nothing for {self.options.heartbeat_s:g} s",
-                                    weak=True)
+                    self._fail_soon(f"DP rank {i} sent nothing for {self.options.heartbeat_s:g} s", weak=True)
         elif now - self._started_s > self.options.startup_timeout_s:
             self._fail_soon(f"the DP group did not start within {self.options.startup_timeout_s:g} s")
         if now - self._last_ping_s >= PING_INTERVAL_S:  # ranks and agents stop if we go silent
@@ -235,8 +242,11 @@ class GroupSupervisor:
                 self._send(i, Ping(self.generation))
             for agent in list(self.agents):
                 self._send_to(agent, Ping(self.generation))
-        if self._failure is not None and not self._stopping and (
-                not self._failure_is_weak or now - self._failure_s >= CAUSE_GRACE_S):
+        if (
+            self._failure is not None
+            and not self._stopping
+            and (not self._failure_is_weak or now - self._failure_s >= CAUSE_GRACE_S)
+        ):
             reason, self._failure = self._failure, None
             self._restart(reason)
 
@@ -247,8 +257,7 @@ class GroupSupervisor:
         self.lb.assign(tracked.request_id, rank, num_tokens)
         tracked.rank = rank
         tracked.num_attempts += 1
-        self._send(rank, AddRequest(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
-                                    tracked.params))
+        self._send(rank, AddRequest(tracked.request_id, tracked.prompt, tracked.prompt_token_ids, tracked.params))
 
     def _on_output(self, rank: int, delta: OutputDelta) -> None:
         tracked = self.front.requests.get(delta.request_id)
@@ -265,8 +274,7 @@ class GroupSupervisor:
         elif num_tokens:
             self.lb.progress(delta.request_id, num_tokens)
         if delta.finished or not tracked.final_only:
-            self._deliver(tracked, tracked.output(delta.finished, delta.error,
-                                                  delta.num_cached_tokens, now))
+            self._deliver(tracked, tracked.output(delta.finished, delta.error, delta.num_cached_tokens, now))
 
     def _abort(self, request_id: str) -> None:
         tracked = self.front.requests.get(request_id)
@@ -336,14 +344,19 @@ class GroupSupervisor:
         self.ranks[message.rank].ready = True
         self.lb.set_capacity(message.rank, message.num_total_blocks * message.block_size)
         if all(r.ready for r in self.ranks):
-            logger.info("DP group of %d ranks ready (generation %d) after %.1f s", self.size,
-                        self.generation, time.monotonic() - self._started_s)
+            logger.info(
+                "DP group of %d ranks ready (generation %d) after %.1f s",
+                self.size,
+                self.generation,
+                time.monotonic() - self._started_s,
+            )
             self.is_ready = self._ever_ready = True
             self.front.ready_event.set()
 
     def _on_agent(self, identity: bytes, hello: AgentHello) -> None:
-        logger.info("DP agent for ranks %d..%d connected", hello.rank_offset,
-                    hello.rank_offset + hello.num_local_ranks - 1)
+        logger.info(
+            "DP agent for ranks %d..%d connected", hello.rank_offset, hello.rank_offset + hello.num_local_ranks - 1
+        )
         self.agents.add(identity)
         if self.generation >= 0:
             self._send_to(identity, StartGeneration(self.generation, self.template))
@@ -364,20 +377,28 @@ class GroupSupervisor:
                 tracked.restart()
                 retry.append(tracked)
                 continue
-            why = ("it had streamed output already, so it was not retried" if tracked.num_delivered
-                   else f"it failed on {tracked.num_attempts} attempts")
+            why = (
+                "it had streamed output already, so it was not retried"
+                if tracked.num_delivered
+                else f"it failed on {tracked.num_attempts} attempts"
+            )
             del self.front.requests[tracked.request_id]
-            self._deliver(tracked, tracked.error_output(
-                f"the DP group failed while this request ran on rank {tracked.rank} ({reason}); "
-                f"{why}", now))
+            self._deliver(
+                tracked,
+                tracked.error_output(
+                    f"the DP group failed while this request ran on rank {tracked.rank} ({reason}); {why}", now
+                ),
+            )
         retry.sort(key=lambda t: t.arrival_s)
         self.pending = [t.request_id for t in retry] + self.pending
         self._restarts = [t for t in self._restarts if now - t < self.options.restart_window_s]
         if not self._ever_ready:
             return self._go_dead(f"the DP group failed to start: {reason}")
         if len(self._restarts) >= self.options.max_restarts:
-            return self._go_dead(f"the DP group failed {len(self._restarts) + 1} times within "
-                                 f"{self.options.restart_window_s:g} s; last: {reason}")
+            return self._go_dead(
+                f"the DP group failed {len(self._restarts) + 1} times within "
+                f"{self.options.restart_window_s:g} s; last: {reason}"
+            )
         self._restarts.append(now)
         logger.warning("restarting the DP group (%d requests queued again)", len(retry))
         self._start_generation()

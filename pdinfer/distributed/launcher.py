@@ -42,19 +42,21 @@ class RankLauncher:
         self.kill()
         devices = visible_devices(len(self.ranks)) if self.device in ("auto", "cuda") else None
         for local, rank in enumerate(self.ranks):
-            cfg = msgspec.structs.replace(self.template, rank=rank, generation=generation,
-                                          parent_pid=os.getpid())
+            cfg = msgspec.structs.replace(self.template, rank=rank, generation=generation, parent_pid=os.getpid())
             env = pdinfer_env.child_environ()
             step_log = env.get("PDINFER_STEP_LOG")
             if step_log:
                 env["PDINFER_STEP_LOG"] = f"{step_log}.rank{rank}"
             if devices is not None:
                 env["CUDA_VISIBLE_DEVICES"] = devices[local]
-            cmd = [sys.executable, "-m", "pdinfer.distributed.dp_rank",
-                   msgspec.json.encode(cfg).decode()]
+            cmd = [sys.executable, "-m", "pdinfer.distributed.dp_rank", msgspec.json.encode(cfg).decode()]
             self.processes.append(RankProcess(rank, generation, subprocess.Popen(cmd, env=env)))
-        logger.info("DP generation %d: started ranks %s (pids %s)", generation, list(self.ranks),
-                    [p.process.pid for p in self.processes])
+        logger.info(
+            "DP generation %d: started ranks %s (pids %s)",
+            generation,
+            list(self.ranks),
+            [p.process.pid for p in self.processes],
+        )
 
     def poll_exited(self) -> list[tuple[int, int, int]]:
         """(rank, generation, return code) of processes that exited since the last call."""
@@ -96,7 +98,5 @@ def visible_devices(num_local: int) -> list[str] | None:
     import torch
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [d for d in visible.split(",") if d] if visible else [
-        str(i) for i in range(torch.cuda.device_count())]
+    ids = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(torch.cuda.device_count())]
     return ids[:num_local] if len(ids) >= num_local else None
-

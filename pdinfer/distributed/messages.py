@@ -149,8 +149,7 @@ def engine_args_from_dict(values: dict[str, Any]) -> EngineArgs:
 
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    return {name: getattr(params, name) for name in params.__dataclass_fields__
-            if not name.startswith("_")}
+    return {name: getattr(params, name) for name in params.__dataclass_fields__ if not name.startswith("_")}
 
 
 ToRank = AddRequest | AbortRequest | StopRanks | Ping | StartGeneration
@@ -200,10 +199,20 @@ class OutputEncoder:
             text, ids, logprobs = self._sent.get(key, ("", [], []))
             new_logprobs = c.logprobs or []
             tk, ik, lk = _kept(c.text, text), _kept(c.token_ids, ids), _kept(new_logprobs, logprobs)
-            deltas.append(CompletionDelta(
-                c.index, tk, c.text[tk:], ik, c.token_ids[ik:], lk,
-                new_logprobs[lk:] if c.logprobs is not None else None,
-                c.cumulative_logprob, c.finish_reason, c.stop_reason))
+            deltas.append(
+                CompletionDelta(
+                    c.index,
+                    tk,
+                    c.text[tk:],
+                    ik,
+                    c.token_ids[ik:],
+                    lk,
+                    new_logprobs[lk:] if c.logprobs is not None else None,
+                    c.cumulative_logprob,
+                    c.finish_reason,
+                    c.stop_reason,
+                )
+            )
             self._sent[key] = (c.text, list(c.token_ids), list(new_logprobs))
         if output.finished:
             for c in output.outputs:
@@ -223,12 +232,12 @@ class OutputDecoder:
             c = self.completions.get(d.index)
             if c is None:
                 c = self.completions[d.index] = CompletionOutput(d.index, "", [])
-            c.text = c.text[:d.text_keep] + d.text_add
-            del c.token_ids[d.ids_keep:]
+            c.text = c.text[: d.text_keep] + d.text_add
+            del c.token_ids[d.ids_keep :]
             c.token_ids.extend(d.ids_add)
             if d.logprobs_add is not None:
                 c.logprobs = c.logprobs if c.logprobs is not None else []
-                del c.logprobs[d.logprobs_keep:]
+                del c.logprobs[d.logprobs_keep :]
                 c.logprobs.extend(d.logprobs_add)
             c.cumulative_logprob = d.cumulative_logprob
             c.finish_reason = d.finish_reason
@@ -236,10 +245,18 @@ class OutputDecoder:
 
     def snapshot(self) -> list[CompletionOutput]:
         """Copies: the consumer may keep an output while later deltas arrive."""
-        return [CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                                 list(c.logprobs) if c.logprobs is not None else None,
-                                 c.finish_reason, c.stop_reason)
-                for _, c in sorted(self.completions.items())]
+        return [
+            CompletionOutput(
+                c.index,
+                c.text,
+                list(c.token_ids),
+                c.cumulative_logprob,
+                list(c.logprobs) if c.logprobs is not None else None,
+                c.finish_reason,
+                c.stop_reason,
+            )
+            for _, c in sorted(self.completions.items())
+        ]
 
     @property
     def num_output_tokens(self) -> int:

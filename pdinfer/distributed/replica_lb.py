@@ -49,8 +49,7 @@ class _Placement:
 
 
 class ReplicaLoadBalancer:
-    def __init__(self, num_ranks: int, kv_token_weight: float = 0.25,
-                 request_weight_tokens: float = 16.0):
+    def __init__(self, num_ranks: int, kv_token_weight: float = 0.25, request_weight_tokens: float = 16.0):
         if num_ranks < 1:
             raise ValueError(f"a DP group has at least one rank, got {num_ranks}")
         self.kv_token_weight = kv_token_weight
@@ -64,8 +63,11 @@ class ReplicaLoadBalancer:
 
     def score(self, rank: int) -> float:
         load = self.loads[rank]
-        return (load.waiting_prefill_tokens + self.kv_token_weight * load.running_kv_tokens
-                + self.request_weight_tokens * load.num_running)
+        return (
+            load.waiting_prefill_tokens
+            + self.kv_token_weight * load.running_kv_tokens
+            + self.request_weight_tokens * load.num_running
+        )
 
     def choose(self, num_prompt_tokens: int) -> int:
         n = len(self.loads)
@@ -77,8 +79,7 @@ class ReplicaLoadBalancer:
 
     def _fits(self, rank: int, num_tokens: int) -> bool:
         load = self.loads[rank]
-        return not load.kv_capacity_tokens or (
-            load.committed_tokens + num_tokens <= load.kv_capacity_tokens)
+        return not load.kv_capacity_tokens or (load.committed_tokens + num_tokens <= load.kv_capacity_tokens)
 
     def assign(self, request_id: str, rank: int, num_prompt_tokens: int) -> None:
         self.release(request_id)

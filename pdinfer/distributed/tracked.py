@@ -34,23 +34,29 @@ class TrackedRequest:
         self.decoder = OutputDecoder()
         self.first_token_s = None
 
-    def output(self, finished: bool, error: str | None, num_cached_tokens: int,
-               now_s: float) -> RequestOutput:
+    def output(self, finished: bool, error: str | None, num_cached_tokens: int, now_s: float) -> RequestOutput:
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-            outputs=self.decoder.snapshot(), finished=finished, error=error,
-            metrics=RequestMetrics(arrival_time=self.arrival_s, first_token_time=self.first_token_s,
-                                   finished_time=now_s if finished else None,
-                                   num_cached_tokens=num_cached_tokens),
-            extra={"dp_rank": self.rank})
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=self.decoder.snapshot(),
+            finished=finished,
+            error=error,
+            metrics=RequestMetrics(
+                arrival_time=self.arrival_s,
+                first_token_time=self.first_token_s,
+                finished_time=now_s if finished else None,
+                num_cached_tokens=num_cached_tokens,
+            ),
+            extra={"dp_rank": self.rank},
+        )
 
     def error_output(self, error: str, now_s: float) -> RequestOutput:
         """The final output of a request the group could not finish: what it had, every
         unfinished choice ending with finish_reason "error"."""
         out = self.output(True, error, 0, now_s)
         have = {c.index for c in out.outputs}
-        out.outputs += [CompletionOutput(i, "", []) for i in range(self.params.get("n", 1))
-                        if i not in have]
+        out.outputs += [CompletionOutput(i, "", []) for i in range(self.params.get("n", 1)) if i not in have]
         for c in out.outputs:
             if c.finish_reason is None:
                 c.finish_reason = "error"

@@ -40,8 +40,9 @@ class CompletionEngine(LLMEngine):
         super().__init__(engine_args, dp_group)
 
     def init_pd_split(self) -> None:
-        self.connector = self.pd_config.make_connector(listen=True, engine_type=self.engine_type.value,
-                                                       device=self.device)
+        self.connector = self.pd_config.make_connector(
+            listen=True, engine_type=self.engine_type.value, device=self.device
+        )
         self.connector.register_kv_cache(self.model_runner.cache.kv)  # before the handshake can answer
         self.connector.register(kv_layout(self))
         self.reservations: dict[str, Sequence] = {}  # transfer id -> sequence waiting for its K/V
@@ -59,23 +60,31 @@ class CompletionEngine(LLMEngine):
         return self.connector.address
 
     # --- reservations --------------------------------------------------------------------------------
-    def reserve(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
-                arrival_time: float | None = None) -> Reservation:
+    def reserve(
+        self, request_id: str, prompt, sampling_params: SamplingParams | None = None, arrival_time: float | None = None
+    ) -> Reservation:
         seq = self.add_request(request_id, prompt, sampling_params, arrival_time, enqueue=False)
         bm = self.block_manager
         needed = bm.blocks_for(seq.num_prompt_tokens + self.pd_config.decode_margin_tokens)
         if needed > bm.num_free_blocks or len(self.scheduler.running) >= self.scheduler_config.max_num_seqs:
             del self.requests[request_id]
-            raise NoRoomError(f"no room for {seq.num_prompt_tokens} prompt tokens: {bm.num_free_blocks} "
-                              f"free KV blocks, {needed} needed")
+            raise NoRoomError(
+                f"no room for {seq.num_prompt_tokens} prompt tokens: {bm.num_free_blocks} "
+                f"free KV blocks, {needed} needed"
+            )
         seq.block_table = bm.allocate_blocks(needed)
         transfer_id = uuid.uuid4().hex
         seq.handoff = {"transfer_id": transfer_id, "deadline": time.monotonic() + self.pd_config.reservation_timeout_s}
         self.reservations[transfer_id] = seq
-        return Reservation(transfer_id=transfer_id, request_id=request_id, address=self.kv_address,
-                           instance_id=self.connector.instance_id, block_ids=list(seq.block_table),
-                           num_prompt_tokens=seq.num_prompt_tokens,
-                           timeout_s=self.pd_config.reservation_timeout_s)
+        return Reservation(
+            transfer_id=transfer_id,
+            request_id=request_id,
+            address=self.kv_address,
+            instance_id=self.connector.instance_id,
+            block_ids=list(seq.block_table),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            timeout_s=self.pd_config.reservation_timeout_s,
+        )
 
     def step(self):
         self._accept_arrivals()
@@ -108,9 +117,11 @@ class CompletionEngine(LLMEngine):
         now = time.monotonic()
         for transfer_id, seq in list(self.reservations.items()):
             if now > seq.handoff["deadline"]:
-                self._drop_reservation(transfer_id, "the prefill engine did not deliver the K/V in "
-                                                    f"{self.pd_config.reservation_timeout_s:.0f} s",
-                                       quarantine=self.connector.writes_in_place)
+                self._drop_reservation(
+                    transfer_id,
+                    f"the prefill engine did not deliver the K/V in {self.pd_config.reservation_timeout_s:.0f} s",
+                    quarantine=self.connector.writes_in_place,
+                )
         for transfer_id, (_, deadline) in list(self.quarantined.items()):
             if now > deadline:
                 self._release_quarantine(transfer_id)
@@ -135,8 +146,7 @@ class CompletionEngine(LLMEngine):
         seq.seed = push.seed
         seq.num_computed_tokens = push.num_tokens
         seq.handoff = None
-        self.output_processor.accept_first_tokens(seq, push.first_tokens or [push.first_token],
-                                                  push.first_logprobs)
+        self.output_processor.accept_first_tokens(seq, push.first_tokens or [push.first_token], push.first_logprobs)
         if not seq.is_finished:
             self.scheduler.add_prompted(seq)
         self._ready_outputs.append(self._report(self.requests[seq.request_id]))
@@ -148,8 +158,11 @@ class CompletionEngine(LLMEngine):
             data = torch.frombuffer(arrival.payload, dtype=torch.uint8)
         blocks = data.view(cache.dtype).view(len(push.block_ids), *cache.block_shape)
         write = self.executor.submit_call(cache.write_blocks, list(push.block_ids), blocks)
-        write.add_done_callback(lambda f: self.connector.confirm(
-            arrival, ok=f.exception() is None, error=None if f.exception() is None else str(f.exception())))
+        write.add_done_callback(
+            lambda f: self.connector.confirm(
+                arrival, ok=f.exception() is None, error=None if f.exception() is None else str(f.exception())
+            )
+        )
 
     def _verify(self, arrival: Arrival, seq: Sequence | None) -> str | None:
         push, cache = arrival.push, self.model_runner.cache

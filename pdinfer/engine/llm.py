@@ -29,8 +29,9 @@ class LLM:
             self.engine = LLMEngine(args)
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in order. A prompt is text or
         ``{"prompt_token_ids": [...]}``. Bad input raises ``ValueError`` before anything runs;
         a prompt the scheduler refuses (too long) comes back with ``.error`` set."""
@@ -52,8 +53,13 @@ class LLM:
             self.engine.add_request(request_id, prompt, p)
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """``messages``: one conversation (a list of {"role", "content"}) or a list of them."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
@@ -61,7 +67,8 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -62,17 +62,27 @@ class LLMEngine:
         self.cache_config = engine_args.create_cache_config()
         tokenizer_source = engine_args.tokenizer if engine_args.tokenizer != engine_args.model else None
         self.tokenizer = load_tokenizer(self.model_folder, tokenizer_source)
-        self.model_runner = ModelRunner(self.spec, self.model_folder, engine_args.load_format,
-                                        self.dtype, self.device, self.engine_type, engine_args.seed)
+        self.model_runner = ModelRunner(
+            self.spec,
+            self.model_folder,
+            engine_args.load_format,
+            self.dtype,
+            self.device,
+            self.engine_type,
+            engine_args.seed,
+        )
         self.zero_overhead = engine_args.zero_overhead_scheduling
-        self.use_cuda_graph = (self.device.type == "cuda" and not engine_args.enforce_eager
-                               and not env.get("PDINFER_ENFORCE_EAGER")
-                               and self.engine_type is not EngineType.PROMPT)
+        self.use_cuda_graph = (
+            self.device.type == "cuda"
+            and not engine_args.enforce_eager
+            and not env.get("PDINFER_ENFORCE_EAGER")
+            and self.engine_type is not EngineType.PROMPT
+        )
         self._init_cache()
-        self.block_manager = BlockManager(self.num_blocks, self.cache_config.block_size,
-                                          self.cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, dp_group,
-                                   self._state_manager())
+        self.block_manager = BlockManager(
+            self.num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, dp_group, self._state_manager())
         self.executor = StepExecutor(self.model_runner, overlap=self.zero_overhead)
         self.kv_store = KVStoreAgent.create(self)  # None unless EngineArgs.kv_store is set
         self.step_builder = StepBuilder()
@@ -84,9 +94,14 @@ class LLMEngine:
         self.last_step_ran = False  # whether the last step launched device work
         self._ready_outputs: list[RequestOutput] = []
         self._step_log = env.get("PDINFER_STEP_LOG")
-        logger.info("%s engine ready: %s, %d KV blocks of %d tokens, zero-overhead scheduling %s",
-                    self.name, self.spec.architecture, self.num_blocks, self.cache_config.block_size,
-                    "on" if self.zero_overhead else "off")
+        logger.info(
+            "%s engine ready: %s, %d KV blocks of %d tokens, zero-overhead scheduling %s",
+            self.name,
+            self.spec.architecture,
+            self.num_blocks,
+            self.cache_config.block_size,
+            "on" if self.zero_overhead else "off",
+        )
 
     @property
     def name(self) -> str:
@@ -98,9 +113,13 @@ class LLMEngine:
             self.num_blocks = cc.num_blocks
         else:
             self.num_blocks = self.model_runner.profile_num_blocks(
-                cc.kv_cache_memory_bytes, cc.block_size, sc.max_num_batched_tokens,
-                sc.max_num_seqs, self.args.num_draft_tokens,
-                gpu_memory_utilization=cc.gpu_memory_utilization)
+                cc.kv_cache_memory_bytes,
+                cc.block_size,
+                sc.max_num_batched_tokens,
+                sc.max_num_seqs,
+                self.args.num_draft_tokens,
+                gpu_memory_utilization=cc.gpu_memory_utilization,
+            )
         self.model_runner.init_cache(self.num_blocks, cc.block_size)
         if self.engine_type is not EngineType.NORMAL:
             # After the KV cache exists (a connector may register it), before graph capture.
@@ -164,8 +183,14 @@ class LLMEngine:
             self.copy_state.pop(seq.seq_id, None)
 
     # --- requests ----------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None, enqueue: bool = True) -> Sequence:
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        enqueue: bool = True,
+    ) -> Sequence:
         """Create a request's first sequence; ``enqueue=False`` leaves it out of the scheduler
         (a CE builds it, reserves blocks and enqueues it once its K/V has arrived)."""
         params = sampling_params or SamplingParams()
@@ -175,9 +200,14 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         room = self.scheduler_config.max_model_len - len(token_ids)
         max_tokens = max(1, min(params.max_tokens or room, room))
-        seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
-                       seed=params.resolved_seed(), max_tokens=max_tokens,
-                       eos_token_ids=() if params.ignore_eos else self.eos_token_ids)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            seed=params.resolved_seed(),
+            max_tokens=max_tokens,
+            eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+        )
         state = RequestState(request_id, text, token_ids, params, [seq])
         if arrival_time is not None:
             state.arrival_time = arrival_time
@@ -187,8 +217,13 @@ class LLMEngine:
             self.scheduler.add_sequence(seq)
         return seq
 
-    def fork_request(self, source: Sequence, blocks: list[int] | None = None,
-                     request_id: str | None = None, replace_last_token_id: int | None = None) -> Sequence:
+    def fork_request(
+        self,
+        source: Sequence,
+        blocks: list[int] | None = None,
+        request_id: str | None = None,
+        replace_last_token_id: int | None = None,
+    ) -> Sequence:
         """Continue ``source``'s computed prefix as a request of this engine (``fork_seq``).
 
         ``blocks`` are this engine's blocks already holding the prefix K/V (a hand-off from
@@ -349,4 +384,3 @@ def _device_and_dtype(args: EngineArgs) -> tuple[torch.device, torch.dtype]:
     if device.type == "cpu" and args.num_threads is None and os.cpu_count():
         torch.set_num_threads(os.cpu_count() or 1)
     return device, dtype
-

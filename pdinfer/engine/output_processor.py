@@ -83,8 +83,7 @@ class OutputProcessor:
         else:
             seq.first_tokens.append(token)
 
-    def accept_first_tokens(self, seq: Sequence, tokens: list[int],
-                            logprobs: dict[int, float] | None = None) -> None:
+    def accept_first_tokens(self, seq: Sequence, tokens: list[int], logprobs: dict[int, float] | None = None) -> None:
         """A CE takes over a sequence whose first token(s) a PE sampled: the same stop checks
         and (for n > 1) the same forks a NORMAL engine would have made."""
         state = self.engine.requests[seq.request_id]
@@ -101,14 +100,14 @@ class OutputProcessor:
 
     def _fork(self, state: RequestState, parent: Sequence, copy: int, token: int) -> Sequence:
         child = self.engine.scheduler.fork_seq(
-            parent, replace_last_token_id=token, index=copy, seed=fork_seed(parent.seed, copy))
+            parent, replace_last_token_id=token, index=copy, seed=fork_seed(parent.seed, copy)
+        )
         child.detok = self.detokenizer.start(child.prompt_token_ids, child.sampling_params.skip_special_tokens)
         child.num_cached_tokens = parent.num_cached_tokens
         state.seqs.append(child)
         return child
 
-    def _add_logprobs(self, seq: Sequence, result: StepResult, index: int, token: int,
-                      replace: bool = False) -> None:
+    def _add_logprobs(self, seq: Sequence, result: StepResult, index: int, token: int, replace: bool = False) -> None:
         if seq.sampling_params.logprobs is None or result.logprobs is None:
             return
         entry = {token: result.logprobs[index]}

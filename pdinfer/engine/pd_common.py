@@ -41,8 +41,7 @@ class KVTransferConfig:
             raise ValueError(f"unknown kv_transfer settings: {sorted(unknown)}")
         config = cls(**values)
         if config.connector not in CONNECTORS:
-            raise ValueError(f"kv_transfer connector must be one of {', '.join(CONNECTORS)}, "
-                             f"got {config.connector!r}")
+            raise ValueError(f"kv_transfer connector must be one of {', '.join(CONNECTORS)}, got {config.connector!r}")
         if config.connector == "mooncake":
             from pdinfer.kv_transfer.mooncake import load_transfer_engine
 
@@ -61,19 +60,25 @@ class KVTransferConfig:
         if self.connector == "mooncake":
             from pdinfer.kv_transfer.mooncake import MooncakeConnector
 
-            return MooncakeConnector(self.host if listen else None, self.port, secret=self.secret,
-                                     engine_type=engine_type, host=self.host)
+            return MooncakeConnector(
+                self.host if listen else None, self.port, secret=self.secret, engine_type=engine_type, host=self.host
+            )
         if self.connector in ("cuda_ipc", "nccl"):  # device transports: they stage on ``device``
             if self.connector == "cuda_ipc":
                 from pdinfer.kv_transfer.cuda_ipc import CudaIpcConnector as cls
             else:  # a NCCL pair (gloo on a CPU KV cache)
                 from pdinfer.kv_transfer.nccl import NcclConnector as cls
-            return cls(self.host if listen else None, self.port, secret=self.secret, engine_type=engine_type,
-                       device=device, staging_bytes=self.staging_mib << 20)
+            return cls(
+                self.host if listen else None,
+                self.port,
+                secret=self.secret,
+                engine_type=engine_type,
+                device=device,
+                staging_bytes=self.staging_mib << 20,
+            )
         from pdinfer.kv_transfer.tcp import TcpConnector
 
-        return TcpConnector(self.host if listen else None, self.port, secret=self.secret,
-                            engine_type=engine_type)
+        return TcpConnector(self.host if listen else None, self.port, secret=self.secret, engine_type=engine_type)
 
 
 class Reservation(msgspec.Struct):

@@ -42,8 +42,9 @@ class PrefillEngine(LLMEngine):
 
     # --- hooks -----------------------------------------------------------------------------------
     def init_pd_split(self) -> None:
-        self.connector = self.pd_config.make_connector(listen=False, engine_type=self.engine_type.value,
-                                                       device=self.device)
+        self.connector = self.pd_config.make_connector(
+            listen=False, engine_type=self.engine_type.value, device=self.device
+        )
         self.connector.register(kv_layout(self))
         self.handoffs: dict[str, Sequence] = {}  # transfer id -> sequence awaiting the CE's ack
         self._completing: list[Sequence] = []  # this step's finished prefills
@@ -94,8 +95,9 @@ class PrefillEngine(LLMEngine):
         for seq in ready:
             if not seq.is_finished and now > seq.handoff.expires_at:
                 # The CE has dropped the reservation: its blocks may hold another request now.
-                self.requests[seq.request_id].error = ("the completion engine's reservation expired "
-                                                       "before the prefill finished")
+                self.requests[seq.request_id].error = (
+                    "the completion engine's reservation expired before the prefill finished"
+                )
                 self.abort_request(seq.request_id)
             if seq.is_finished:  # aborted while its prefill ran
                 continue
@@ -108,9 +110,15 @@ class PrefillEngine(LLMEngine):
         self._pushed = []
 
     # --- requests ----------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None, enqueue: bool = True,
-                    reservation: Reservation | None = None) -> Sequence:
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        enqueue: bool = True,
+        reservation: Reservation | None = None,
+    ) -> Sequence:
         """Prefill ``prompt`` and hand it to the CE that made ``reservation``."""
         if reservation is None:
             raise ValueError("a prefill engine needs a reservation from a completion engine")
@@ -120,8 +128,10 @@ class PrefillEngine(LLMEngine):
         seq = super().add_request(request_id, prompt, sampling_params, arrival_time, enqueue=False)
         if seq.num_prompt_tokens != reservation.num_prompt_tokens:
             self.requests.pop(request_id, None)
-            raise ValueError(f"the reservation is for {reservation.num_prompt_tokens} prompt tokens, "
-                             f"the prompt has {seq.num_prompt_tokens}")
+            raise ValueError(
+                f"the reservation is for {reservation.num_prompt_tokens} prompt tokens, "
+                f"the prompt has {seq.num_prompt_tokens}"
+            )
         seq.handoff = Handoff(reservation=reservation)
         if reservation.timeout_s is not None:
             seq.handoff.expires_at = time.monotonic() + reservation.timeout_s
@@ -134,8 +144,7 @@ class PrefillEngine(LLMEngine):
         if known != reservation.instance_id:
             instance = self.connector.connect(reservation.address)  # raises HandshakeError
             if instance != reservation.instance_id:
-                raise HandshakeError(
-                    f"the CE at {reservation.address} restarted since it made the reservation")
+                raise HandshakeError(f"the CE at {reservation.address} restarted since it made the reservation")
 
     def abort_request(self, request_id: str) -> None:
         state = self.requests.get(request_id)
@@ -154,10 +163,16 @@ class PrefillEngine(LLMEngine):
         data, nbytes, crc = self._payload(seq.handoff.kv_future.result())
         num_blocks = self.block_manager.blocks_for(seq.num_prompt_tokens)
         push = KVPush(
-            transfer_id=reservation.transfer_id, request_id=seq.request_id,
-            instance_id=reservation.instance_id, num_tokens=seq.num_prompt_tokens,
-            first_token=seq.first_tokens[0], first_tokens=list(seq.first_tokens), seed=seq.seed,
-            block_ids=reservation.block_ids[:num_blocks], nbytes=nbytes, checksum=crc,
+            transfer_id=reservation.transfer_id,
+            request_id=seq.request_id,
+            instance_id=reservation.instance_id,
+            num_tokens=seq.num_prompt_tokens,
+            first_token=seq.first_tokens[0],
+            first_tokens=list(seq.first_tokens),
+            seed=seq.seed,
+            block_ids=reservation.block_ids[:num_blocks],
+            nbytes=nbytes,
+            checksum=crc,
             first_logprobs=seq.output_logprobs[0] if seq.output_logprobs else None,
         )
         self.connector.send(reservation.address, push, data)
@@ -172,8 +187,9 @@ class PrefillEngine(LLMEngine):
         writing in place would otherwise keep those blocks until the reservation times out)."""
         if seq.handoff is not None:
             reservation = seq.handoff.reservation
-            self.connector.abort(reservation.address, KVAbort(transfer_id=reservation.transfer_id,
-                                                              request_id=seq.request_id))
+            self.connector.abort(
+                reservation.address, KVAbort(transfer_id=reservation.transfer_id, request_id=seq.request_id)
+            )
 
     def _collect_acks(self) -> None:
         for event in self.connector.events():
@@ -192,15 +208,19 @@ class PrefillEngine(LLMEngine):
         now = time.monotonic()
         for seq in list(self.handoffs.values()):
             if now > seq.handoff.deadline:
-                self._fail(seq, f"no confirmation from the completion engine within "
-                                f"{self.pd_config.lease_s:.0f} s (lease expired)", notify_ce=True)
+                self._fail(
+                    seq,
+                    f"no confirmation from the completion engine within {self.pd_config.lease_s:.0f} s (lease expired)",
+                    notify_ce=True,
+                )
 
     def _fail(self, seq: Sequence, error: str, notify_ce: bool = False) -> None:
         reservation = seq.handoff.reservation
         self.handoffs.pop(reservation.transfer_id, None)
         if notify_ce:
-            self.connector.abort(reservation.address, KVAbort(transfer_id=reservation.transfer_id,
-                                                              request_id=seq.request_id))
+            self.connector.abort(
+                reservation.address, KVAbort(transfer_id=reservation.transfer_id, request_id=seq.request_id)
+            )
         self.handoff_stats["failed"] += 1
         self._finish(seq, SequenceStatus.FINISHED_ABORTED, error)
 
@@ -227,4 +247,3 @@ class PrefillEngine(LLMEngine):
     def shutdown(self) -> None:
         super().shutdown()
         self.connector.close()
-

@@ -43,15 +43,17 @@ class RequestState:
         outputs = []
         for seq in sorted(self.seqs, key=lambda s: s.index):
             params = seq.sampling_params
-            outputs.append(CompletionOutput(
-                index=seq.index,
-                text=visible_text(seq.output_text, params.stop_strings, seq.is_finished),
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
-                logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            ))
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=visible_text(seq.output_text, params.stop_strings, seq.is_finished),
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
+                    logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
         error = self.error or next((s.error for s in self.seqs if s.error), None)
         metrics = RequestMetrics(
             arrival_time=self.arrival_time,

@@ -20,9 +20,17 @@ class StepBuilder:
         """The step input, and for each sample the sequence it belongs to and which copy it is."""
         step_id = self.next_step_id
         self.next_step_id += 1
-        inp = StepInput(step_id=step_id, is_prompt=plan.prompt_run, input_ids=[], positions=[],
-                        query_lens=[], context_lens=[], block_tables=[],
-                        clone_blocks=list(plan.clone_blocks), clone_states=list(plan.clone_states))
+        inp = StepInput(
+            step_id=step_id,
+            is_prompt=plan.prompt_run,
+            input_ids=[],
+            positions=[],
+            query_lens=[],
+            context_lens=[],
+            block_tables=[],
+            clone_blocks=list(plan.clone_blocks),
+            clone_states=list(plan.clone_states),
+        )
         owners: list[tuple[Sequence, int]] = []
         for seq, num_tokens, do_sample in zip(plan.scheduled_seqs, plan.num_scheduled_tokens, plan.do_sample):
             self._add_seq(inp, owners, seq, num_tokens, do_sample)
@@ -63,9 +71,17 @@ class StepBuilder:
 def _sample_spec(seq: Sequence, row: int, position: int, seed: int, pending: bool) -> SampleSpec:
     p = seq.sampling_params
     spec = SampleSpec(
-        row=row, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-        seed=seed, position=position, presence=p.presence_penalty,
-        frequency=p.frequency_penalty, repetition=p.repetition_penalty, logprobs=p.logprobs,
+        row=row,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        seed=seed,
+        position=position,
+        presence=p.presence_penalty,
+        frequency=p.frequency_penalty,
+        repetition=p.repetition_penalty,
+        logprobs=p.logprobs,
     )
     if spec.needs_penalties:
         spec.output_tokens = list(seq.output_token_ids) + ([PENDING_TOKEN] if pending else [])

@@ -43,8 +43,13 @@ _KNOWN_TTL_S = 10.0  # ...for this long (the store may evict them meanwhile)
 
 
 class KVStoreAgent:
-    def __init__(self, engine: LLMEngine, store: KVStore, save_interval_tokens: int = 0,
-                 max_pending_save_bytes: int | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        store: KVStore,
+        save_interval_tokens: int = 0,
+        max_pending_save_bytes: int | None = None,
+    ):
         self.engine = engine
         self.store = store
         self.block_manager = engine.block_manager
@@ -60,8 +65,9 @@ class KVStoreAgent:
         self.saver = None
         if engine.engine_type is not EngineType.PROMPT:  # a PE's prompts are saved by their CE
             if max_pending_save_bytes is None:
-                max_pending_save_bytes = min(MAX_PENDING_SAVE_BYTES, max(
-                    MIN_PENDING_SAVE_BYTES, max_blocks * self.cache.bytes_per_block))
+                max_pending_save_bytes = min(
+                    MAX_PENDING_SAVE_BYTES, max(MIN_PENDING_SAVE_BYTES, max_blocks * self.cache.bytes_per_block)
+                )
             self.saver = BackgroundSaver(store, max_pending_save_bytes, self._payloads)
         self._looked_up: set[int] = set()  # waiting sequences already looked up
         self._saved_upto: dict[int, int] = {}  # running sequence -> leading blocks saved
@@ -78,9 +84,13 @@ class KVStoreAgent:
             return None
         from pdinfer.engine.pd_common import kv_layout
 
-        store = open_store(args.kv_store, layout_namespace(kv_layout(engine)),
-                           engine.cache_config.block_size, args.kv_store_bytes,
-                           args.kv_store_memory_bytes)
+        store = open_store(
+            args.kv_store,
+            layout_namespace(kv_layout(engine)),
+            engine.cache_config.block_size,
+            args.kv_store_bytes,
+            args.kv_store_memory_bytes,
+        )
         logger.info("KV store %s (%s)", args.kv_store, store.namespace)
         return cls(engine, store, args.kv_store_save_interval_tokens)
 
@@ -143,7 +153,10 @@ class KVStoreAgent:
         if self.save_interval_tokens:
             for seq in scheduled:
                 done = self._saved_upto.get(seq.seq_id, 0)
-                if not seq.is_finished and seq.num_computed_tokens - done * self.block_size >= self.save_interval_tokens:
+                if (
+                    not seq.is_finished
+                    and seq.num_computed_tokens - done * self.block_size >= self.save_interval_tokens
+                ):
                     jobs.append((seq, done))
         block_ids, keys = self._unsaved_blocks(jobs)
         if len(self._saved_upto) > 2 * self.engine.scheduler_config.max_num_seqs:
@@ -207,11 +220,18 @@ class KVStoreAgent:
     # --- metrics and lifetime --------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         stats = self.store.stats()
-        stats.update(loaded_blocks=self.loaded_blocks, loaded_requests=self.loaded_requests,
-                     load_ms=round(self.load_seconds * 1e3))
+        stats.update(
+            loaded_blocks=self.loaded_blocks,
+            loaded_requests=self.loaded_requests,
+            load_ms=round(self.load_seconds * 1e3),
+        )
         if self.saver is not None:
-            stats.update(saved_blocks=self.saver.saved_blocks, dropped_saves=self.saver.dropped_blocks,
-                         failed_saves=self.saver.failed_blocks, pending_save_bytes=self.saver.pending_bytes)
+            stats.update(
+                saved_blocks=self.saver.saved_blocks,
+                dropped_saves=self.saver.dropped_blocks,
+                failed_saves=self.saver.failed_blocks,
+                pending_save_bytes=self.saver.pending_bytes,
+            )
         return stats
 
     def flush(self, timeout: float | None = None) -> bool:

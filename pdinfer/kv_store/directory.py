@@ -41,8 +41,17 @@ STALE_TMP_S = 600.0  # a temp file this old belongs to a writer that died
 
 
 class DirectoryStore(KVStore):
-    def __init__(self, root: str, namespace: str, block_size: int, max_bytes: int, *,
-                 fsync: bool = False, rescan_interval_s: float = 5.0, low_watermark: float = 0.9):
+    def __init__(
+        self,
+        root: str,
+        namespace: str,
+        block_size: int,
+        max_bytes: int,
+        *,
+        fsync: bool = False,
+        rescan_interval_s: float = 5.0,
+        low_watermark: float = 0.9,
+    ):
         super().__init__(namespace, block_size, max_bytes)
         if not 0.0 < low_watermark <= 1.0:
             raise ValueError(f"low_watermark must be in (0, 1], got {low_watermark}")

@@ -26,8 +26,7 @@ class SaveJob:
 
 
 class BackgroundSaver:
-    def __init__(self, store: KVStore, max_pending_bytes: int,
-                 to_payloads: Callable[[object], list]):
+    def __init__(self, store: KVStore, max_pending_bytes: int, to_payloads: Callable[[object], list]):
         """``to_payloads`` turns a resolved copy into one bytes-like payload per key."""
         self.store = store
         self.max_pending_bytes = max_pending_bytes

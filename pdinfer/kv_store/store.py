@@ -106,8 +106,7 @@ class KVStore(ABC):
                 return i
         return len(keys)
 
-    def read_run(self, keys: Sequence[bytes], outs: Sequence[memoryview],
-                 executor: Executor | None = None) -> int:
+    def read_run(self, keys: Sequence[bytes], outs: Sequence[memoryview], executor: Executor | None = None) -> int:
         """Read ``keys[i]`` into ``outs[i]``; returns how many from the first were read intact.
         With an ``executor`` the blocks are read in parallel (reads and checksums release the
         GIL)."""
@@ -202,8 +201,9 @@ class TieredStore(KVStore):
         self.back.close()
 
 
-def open_store(location: str, namespace: str, block_size: int, max_bytes: int | None = None,
-               memory_bytes: int = 0) -> KVStore:
+def open_store(
+    location: str, namespace: str, block_size: int, max_bytes: int | None = None, memory_bytes: int = 0
+) -> KVStore:
     """``location``: "memory", or a directory (created if missing; may be shared by processes
     and hosts). ``memory_bytes`` > 0 puts a memory tier of that size in front of a directory."""
     from pdinfer.kv_store.memory import MemoryStore

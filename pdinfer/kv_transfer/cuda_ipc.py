@@ -39,13 +39,22 @@ from pdinfer.kv_transfer.staging import (
 from pdinfer.kv_transfer.tcp import TcpConnector
 
 logger = logging.getLogger("pdinfer")
+
+
 # --- the connector ----------------------------------------------------------------------------------
 class CudaIpcConnector(TcpConnector):
     data_plane = "cuda_ipc"
     device_payload = True  # pushes carry no bytes: the CE calls ``land`` to fetch and check them
 
-    def __init__(self, listen_host: str | None = None, listen_port: int = 0, secret: str | None = None,
-                 engine_type: int = 0, device=None, staging_bytes: int = DEFAULT_STAGING_BYTES):
+    def __init__(
+        self,
+        listen_host: str | None = None,
+        listen_port: int = 0,
+        secret: str | None = None,
+        engine_type: int = 0,
+        device=None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+    ):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.staging_bytes = staging_bytes
         self.segments: list[Segment] = []
@@ -88,8 +97,12 @@ class CudaIpcConnector(TcpConnector):
             # Full (pushes in flight): another segment; the CE maps it from the push's info.
             segment = Segment(max(self.staging_bytes, 2 * nbytes), self.device)
             self.segments.append(segment)
-            logger.info("KV staging: segment %d of %.0f MiB added (%.0f MiB in flight)", len(self.segments),
-                        segment.data.numel() / 2**20, sum(s.allocator.used_bytes for s in self.segments) / 2**20)
+            logger.info(
+                "KV staging: segment %d of %.0f MiB added (%.0f MiB in flight)",
+                len(self.segments),
+                segment.data.numel() / 2**20,
+                sum(s.allocator.used_bytes for s in self.segments) / 2**20,
+            )
             return segment, segment.allocator.alloc(nbytes)
 
     def send(self, address: str, push: KVPush, payload: StagedKV) -> None:
@@ -141,8 +154,10 @@ class CudaIpcConnector(TcpConnector):
         if (info.kind == "cuda") != (self.device.type == "cuda"):
             return f"the PE stages K/V in {info.kind} memory, this CE's KV cache is on {self.device}"
         if info.kind == "cuda" and info.device >= torch.cuda.device_count():
-            return (f"the PE's staging is on GPU {info.device}, the CE sees {torch.cuda.device_count()} "
-                    "GPU(s): don't hide GPUs with CUDA_VISIBLE_DEVICES")
+            return (
+                f"the PE's staging is on GPU {info.device}, the CE sees {torch.cuda.device_count()} "
+                "GPU(s): don't hide GPUs with CUDA_VISIBLE_DEVICES"
+            )
         return None
 
     def land(self, arrival, cache) -> str | None:
@@ -156,8 +171,9 @@ class CudaIpcConnector(TcpConnector):
         end = push.staging_offset + push.nbytes
         if push.staging_offset < 0 or end > source.numel():
             return "the staging region is outside the prefill engine's pool"
-        got = land_blocks(source[push.staging_offset : end], cache.kv, list(push.block_ids),
-                          self._stream(cache.kv.device))
+        got = land_blocks(
+            source[push.staging_offset : end], cache.kv, list(push.block_ids), self._stream(cache.kv.device)
+        )
         return None if got == push.checksum else "checksum mismatch: the K/V was corrupted in transit"
 
     def _open(self, data: bytes) -> torch.Tensor:

@@ -33,9 +33,11 @@ from pdinfer.kv_transfer.tcp import TcpConnector
 
 logger = logging.getLogger("pdinfer")
 
-INSTALL_HINT = ("the mooncake KV connector needs Mooncake's Transfer Engine: "
-                "apt-get install libibverbs1 && pip install mooncake-transfer-engine-non-cuda "
-                "(the CUDA build, mooncake-transfer-engine, also needs libcudart and libcuda)")
+INSTALL_HINT = (
+    "the mooncake KV connector needs Mooncake's Transfer Engine: "
+    "apt-get install libibverbs1 && pip install mooncake-transfer-engine-non-cuda "
+    "(the CUDA build, mooncake-transfer-engine, also needs libcudart and libcuda)"
+)
 MIN_STAGING_BYTES = 1 << 20
 
 
@@ -70,8 +72,14 @@ class MooncakeConnector(TcpConnector):
     data_plane = "mooncake"
     writes_in_place = True
 
-    def __init__(self, listen_host: str | None = None, listen_port: int = 0, secret: str | None = None,
-                 engine_type: int = 0, host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        listen_host: str | None = None,
+        listen_port: int = 0,
+        secret: str | None = None,
+        engine_type: int = 0,
+        host: str = "127.0.0.1",
+    ):
         transfer_engine = load_transfer_engine()
         # Mooncake's own settings: its TCP lanes on our host (else it may advertise another
         # interface), and only its errors on stderr (it logs every connection at INFO).
@@ -80,8 +88,7 @@ class MooncakeConnector(TcpConnector):
         self._engine = transfer_engine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
         if rc != 0:
-            raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', 'tcp') "
-                               f"returned {rc}")
+            raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', 'tcp') returned {rc}")
         self.session_id = f"{host}:{self._engine.get_rpc_port()}"
         self._kv: tuple[int, int, int] | None = None  # CE: (address, bytes per block, blocks) registered
         self._peer_kv: dict[str, PeerKV] = {}
@@ -92,8 +99,10 @@ class MooncakeConnector(TcpConnector):
     # --- CE: our KV cache is the target -------------------------------------------------------------
     def register_kv_cache(self, kv) -> None:
         if kv.device.type != "cpu" or not kv.is_contiguous():
-            raise ValueError("the mooncake connector (TCP) writes into host memory: the KV cache must "
-                             f"be a contiguous CPU tensor, not one on {kv.device}")
+            raise ValueError(
+                "the mooncake connector (TCP) writes into host memory: the KV cache must "
+                f"be a contiguous CPU tensor, not one on {kv.device}"
+            )
         address, nbytes = kv.data_ptr(), kv.numel() * kv.element_size()
         _check(self._engine.register_memory(address, nbytes), "register_memory (KV cache)")
         self._kv = (address, nbytes // kv.shape[0], kv.shape[0])
@@ -111,10 +120,10 @@ class MooncakeConnector(TcpConnector):
     # --- PE: write, then push ------------------------------------------------------------------------
     def _check_peer(self, address: str, ack: HelloAck) -> None:
         if not ack.data_session or not ack.kv_address or ack.kv_block_bytes <= 0:
-            raise HandshakeError(f"{address} offers no Mooncake data plane (start it with the mooncake "
-                                 "kv connector too)")
-        self._peer_kv[address] = PeerKV(ack.data_session, ack.kv_address, ack.kv_block_bytes,
-                                        ack.kv_num_blocks)
+            raise HandshakeError(
+                f"{address} offers no Mooncake data plane (start it with the mooncake kv connector too)"
+            )
+        self._peer_kv[address] = PeerKV(ack.data_session, ack.kv_address, ack.kv_block_bytes, ack.kv_num_blocks)
 
     def send(self, address: str, push: KVPush, payload) -> None:
         self._writer.submit(self._write_then_push, address, push, payload)
@@ -137,8 +146,9 @@ class MooncakeConnector(TcpConnector):
         peer = self._peer_kv.get(address)
         if peer is None:
             raise RuntimeError(f"not connected to {address}")
-        if data.nbytes > len(push.block_ids) * peer.block_bytes or \
-                any(not 0 <= b < peer.num_blocks for b in push.block_ids):
+        if data.nbytes > len(push.block_ids) * peer.block_bytes or any(
+            not 0 <= b < peer.num_blocks for b in push.block_ids
+        ):
             raise ValueError("the K/V does not fit the CE blocks it targets")
         staging = self._staging_buffer(data.nbytes)
         staging[: data.nbytes] = data

@@ -69,8 +69,15 @@ def make_pair_group(store, rank: int, device: torch.device, timeout_s: float = G
 class NcclConnector(CudaIpcConnector):
     data_plane = "nccl"
 
-    def __init__(self, listen_host: str | None = None, listen_port: int = 0, secret: str | None = None,
-                 engine_type: int = 0, device=None, staging_bytes: int = DEFAULT_STAGING_BYTES):
+    def __init__(
+        self,
+        listen_host: str | None = None,
+        listen_port: int = 0,
+        secret: str | None = None,
+        engine_type: int = 0,
+        device=None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+    ):
         self._store = None
         self._store_address = ""
         if listen_host is not None:  # CE: the rendezvous of every pair it forms
@@ -85,8 +92,9 @@ class NcclConnector(CudaIpcConnector):
         self._release_after_send: set[str] = set()  # PE: acked or aborted while still sending
         self._sends_lock = threading.Lock()
         self._send_queues: dict[int, queue.Queue] = {}  # PE: pair group -> its send waiter
-        super().__init__(listen_host, listen_port, secret=secret, engine_type=engine_type, device=device,
-                         staging_bytes=staging_bytes)
+        super().__init__(
+            listen_host, listen_port, secret=secret, engine_type=engine_type, device=device, staging_bytes=staging_bytes
+        )
 
     # --- handshake ----------------------------------------------------------------------------------
     def _check_segment(self, data: bytes) -> str | None:
@@ -100,8 +108,7 @@ class NcclConnector(CudaIpcConnector):
         ack.data_session = f"{self._store_address}/{key}"
         future: Future = Future()
         self._groups[identity] = future  # a re-handshake (new identity) gets a new group
-        threading.Thread(target=self._form_group, args=(key, future), daemon=True,
-                         name="pdinfer-kv-nccl-pair").start()
+        threading.Thread(target=self._form_group, args=(key, future), daemon=True, name="pdinfer-kv-nccl-pair").start()
         return ack
 
     def _form_group(self, key: str, future: Future) -> None:
@@ -140,8 +147,9 @@ class NcclConnector(CudaIpcConnector):
         key = id(group)
         if key not in self._send_queues:
             self._send_queues[key] = queue.Queue()
-            threading.Thread(target=self._wait_sends, args=(self._send_queues[key],), daemon=True,
-                             name="pdinfer-kv-nccl-send").start()
+            threading.Thread(
+                target=self._wait_sends, args=(self._send_queues[key],), daemon=True, name="pdinfer-kv-nccl-send"
+            ).start()
         return self._send_queues[key]
 
     def _wait_sends(self, sends: queue.Queue) -> None:
@@ -168,8 +176,9 @@ class NcclConnector(CudaIpcConnector):
                 time.sleep(0.0002)
             return True
         except Exception as exc:  # noqa: BLE001 - reported; the region is never reused
-            logger.warning("KV send of transfer %s did not complete (%s): its staging region stays "
-                           "reserved", transfer_id, exc)
+            logger.warning(
+                "KV send of transfer %s did not complete (%s): its staging region stays reserved", transfer_id, exc
+            )
             return False
 
     def _release(self, transfer_id: str) -> None:

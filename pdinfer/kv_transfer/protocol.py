@@ -22,8 +22,11 @@ class KVLayout(msgspec.Struct, frozen=True):
     block_size: int
 
     def mismatch(self, other: KVLayout) -> str | None:
-        diffs = [f"{name}: {getattr(self, name)!r} here vs {getattr(other, name)!r} there"
-                 for name in self.__struct_fields__ if getattr(self, name) != getattr(other, name)]
+        diffs = [
+            f"{name}: {getattr(self, name)!r} here vs {getattr(other, name)!r} there"
+            for name in self.__struct_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
         return "; ".join(diffs) or None
 
 

@@ -61,8 +61,7 @@ def land_blocks(src: torch.Tensor, kv: torch.Tensor, block_ids: list[int], strea
 
 
 def _checksum_of(kv: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    return kv_checksum(torch.cat([block_sums(kv[first : first + count])
-                                  for _, first, count in block_runs(block_ids)]))
+    return kv_checksum(torch.cat([block_sums(kv[first : first + count]) for _, first, count in block_runs(block_ids)]))
 
 
 # --- the staging pool -------------------------------------------------------------------------------
@@ -167,12 +166,21 @@ def export_cuda(data: torch.Tensor, key: str) -> SegmentInfo:
         _, args = reduce_tensor(data)
     except Exception as exc:  # noqa: BLE001 - one clear message for a private API
         raise RuntimeError(f"cannot export a CUDA IPC handle with this torch ({torch.__version__}): {exc}") from exc
-    (device, handle, storage_size, storage_offset, _, ref_handle, ref_offset, event_handle,
-     event_sync) = args[6:15]
-    return SegmentInfo(kind="cuda", key=key, pid=os.getpid(), nbytes=data.numel(), device=device,
-                       handle=handle, storage_size=storage_size, storage_offset=storage_offset,
-                       ref_counter_handle=ref_handle, ref_counter_offset=ref_offset,
-                       event_handle=event_handle or b"", event_sync_required=bool(event_sync))
+    (device, handle, storage_size, storage_offset, _, ref_handle, ref_offset, event_handle, event_sync) = args[6:15]
+    return SegmentInfo(
+        kind="cuda",
+        key=key,
+        pid=os.getpid(),
+        nbytes=data.numel(),
+        device=device,
+        handle=handle,
+        storage_size=storage_size,
+        storage_offset=storage_offset,
+        ref_counter_handle=ref_handle,
+        ref_counter_offset=ref_offset,
+        event_handle=event_handle or b"",
+        event_sync_required=bool(event_sync),
+    )
 
 
 def open_segment(info: SegmentInfo):
@@ -186,19 +194,34 @@ def open_segment(info: SegmentInfo):
         resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
         return torch.frombuffer(shm.buf, dtype=torch.uint8, count=info.nbytes), shm
     if info.device >= torch.cuda.device_count():
-        raise RuntimeError(f"the PE's staging is on GPU {info.device}, this process sees "
-                           f"{torch.cuda.device_count()} GPU(s): don't hide GPUs with CUDA_VISIBLE_DEVICES")
+        raise RuntimeError(
+            f"the PE's staging is on GPU {info.device}, this process sees "
+            f"{torch.cuda.device_count()} GPU(s): don't hide GPUs with CUDA_VISIBLE_DEVICES"
+        )
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     try:
-        data = rebuild_cuda_tensor(torch.Tensor, torch.Size([info.nbytes]), (1,), 0, torch.UntypedStorage,
-                                   torch.uint8, info.device, info.handle, info.storage_size,
-                                   info.storage_offset, False, info.ref_counter_handle,
-                                   info.ref_counter_offset, info.event_handle,
-                                   info.event_sync_required)
+        data = rebuild_cuda_tensor(
+            torch.Tensor,
+            torch.Size([info.nbytes]),
+            (1,),
+            0,
+            torch.UntypedStorage,
+            torch.uint8,
+            info.device,
+            info.handle,
+            info.storage_size,
+            info.storage_offset,
+            False,
+            info.ref_counter_handle,
+            info.ref_counter_offset,
+            info.event_handle,
+            info.event_sync_required,
+        )
     except Exception as exc:  # noqa: BLE001 - one clear message for a private API
-        raise RuntimeError(f"cannot open the PE's CUDA IPC handle with this torch ({torch.__version__}): "
-                           f"{exc}") from exc
+        raise RuntimeError(
+            f"cannot open the PE's CUDA IPC handle with this torch ({torch.__version__}): {exc}"
+        ) from exc
     return data, None
 
 

@@ -35,8 +35,9 @@ logger = logging.getLogger("pdinfer")
 class TcpConnector(KVConnector):
     data_plane = "zmq"  # K/V bytes ride in the push's payload frame
 
-    def __init__(self, listen_host: str | None = None, listen_port: int = 0, secret: str | None = None,
-                 engine_type: int = 0):
+    def __init__(
+        self, listen_host: str | None = None, listen_port: int = 0, secret: str | None = None, engine_type: int = 0
+    ):
         self.secret = secret.encode() if secret else None
         self.engine_type = engine_type
         self.instance_id = uuid.uuid4().hex
@@ -173,8 +174,11 @@ class TcpConnector(KVConnector):
             elif kind == "send":
                 sock = self._dealers.get(target)
                 if sock is None:
-                    self._events.put(KVAck(transfer_id=_transfer_id(arg[0], self.secret), ok=False,
-                                           error=f"not connected to {target}"))
+                    self._events.put(
+                        KVAck(
+                            transfer_id=_transfer_id(arg[0], self.secret), ok=False, error=f"not connected to {target}"
+                        )
+                    )
                 else:
                     sock.send_multipart(arg, copy=False)
             elif kind == "reply" and self._router is not None:
@@ -248,14 +252,18 @@ class TcpConnector(KVConnector):
         from pdinfer.kv_transfer.protocol import PROTOCOL_VERSION
 
         if hello.version != PROTOCOL_VERSION:
-            return HelloAck(ok=False, instance_id=self.instance_id,
-                            error=f"protocol version {hello.version} != {PROTOCOL_VERSION}")
+            return HelloAck(
+                ok=False, instance_id=self.instance_id, error=f"protocol version {hello.version} != {PROTOCOL_VERSION}"
+            )
         if self.layout is None:
             return HelloAck(ok=False, instance_id=self.instance_id, error="KV cache not ready")
         if hello.data_plane != self.data_plane:
-            return HelloAck(ok=False, instance_id=self.instance_id,
-                            error=f"the PE sends K/V over {hello.data_plane}, this CE takes it over "
-                                  f"{self.data_plane}: give both the same kv connector")
+            return HelloAck(
+                ok=False,
+                instance_id=self.instance_id,
+                error=f"the PE sends K/V over {hello.data_plane}, this CE takes it over "
+                f"{self.data_plane}: give both the same kv connector",
+            )
         mismatch = self.layout.mismatch(hello.layout)
         if mismatch:
             return HelloAck(ok=False, instance_id=self.instance_id, error=f"KV layout mismatch ({mismatch})")

@@ -25,23 +25,46 @@ from pdinfer.layers.cpu_linear import SMALL_GEMM_MAX_ROWS, PackedLinear
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("weight", ctypes.c_void_p), ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p),
-                ("mn", ctypes.c_void_p), ("qt", ctypes.c_void_p), ("dt", ctypes.c_void_p),
-                ("mt", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64),
-                ("k", ctypes.c_int64)]
+    _fields_ = [
+        ("weight", ctypes.c_void_p),
+        ("qs", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("mn", ctypes.c_void_p),
+        ("qt", ctypes.c_void_p),
+        ("dt", ctypes.c_void_p),
+        ("mt", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+    ]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear)]
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+    ]
 
 
 class _Stack(ctypes.Structure):
-    _fields_ = [("layers", ctypes.POINTER(_Layer)), ("num_layers", ctypes.c_int64),
-                ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
-                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("rot", ctypes.c_int64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    _fields_ = [
+        ("layers", ctypes.POINTER(_Layer)),
+        ("num_layers", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("rot", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -51,8 +74,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def _linear(layer: PackedLinear) -> _Linear:
     q = layer.quant
     qt, dt, mt = q.tiles if q is not None else (None, None, None)
-    return _Linear(_ptr(layer.weight), _ptr(q and q.qs), _ptr(q and q.d), _ptr(q and q.mn), _ptr(qt),
-                   _ptr(dt), _ptr(mt), _ptr(layer.bias), layer.weight.shape[0], layer.weight.shape[1])
+    return _Linear(
+        _ptr(layer.weight),
+        _ptr(q and q.qs),
+        _ptr(q and q.d),
+        _ptr(q and q.mn),
+        _ptr(qt),
+        _ptr(dt),
+        _ptr(mt),
+        _ptr(layer.bias),
+        layer.weight.shape[0],
+        layer.weight.shape[1],
+    )
 
 
 class DecodeStack:
@@ -62,16 +95,33 @@ class DecodeStack:
     def __init__(self, model, lib: ctypes.CDLL, max_rows: int):
         spec = model.spec
         layers = list(model.layers)
-        self._layers = (_Layer * len(layers))(*[
-            _Layer(_ptr(la.input_layernorm.weight), _ptr(la.post_attention_layernorm.weight),
-                   _ptr(la.self_attn.q_norm and la.self_attn.q_norm.weight),
-                   _ptr(la.self_attn.k_norm and la.self_attn.k_norm.weight),
-                   _linear(la.self_attn.qkv_proj), _linear(la.self_attn.o_proj),
-                   _linear(la.mlp.gate_up_proj), _linear(la.mlp.down_proj))
-            for la in layers])
-        self._stack = _Stack(self._layers, len(layers), spec.hidden_size, spec.num_heads, spec.num_kv_heads,
-                             spec.head_dim, spec.intermediate_size, model.rotary.rotary_dim,
-                             layers[0].input_layernorm.eps, layers[0].self_attn.backend.scale)
+        self._layers = (_Layer * len(layers))(
+            *[
+                _Layer(
+                    _ptr(la.input_layernorm.weight),
+                    _ptr(la.post_attention_layernorm.weight),
+                    _ptr(la.self_attn.q_norm and la.self_attn.q_norm.weight),
+                    _ptr(la.self_attn.k_norm and la.self_attn.k_norm.weight),
+                    _linear(la.self_attn.qkv_proj),
+                    _linear(la.self_attn.o_proj),
+                    _linear(la.mlp.gate_up_proj),
+                    _linear(la.mlp.down_proj),
+                )
+                for la in layers
+            ]
+        )
+        self._stack = _Stack(
+            self._layers,
+            len(layers),
+            spec.hidden_size,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.intermediate_size,
+            model.rotary.rotary_dim,
+            layers[0].input_layernorm.eps,
+            layers[0].self_attn.backend.scale,
+        )
         self._lib = lib
         self.max_rows = max_rows
 
@@ -92,16 +142,26 @@ class DecodeStack:
             return cls(model, lib, min(m.quant.max_rows for m in linears))
         return cls(model, lib, SMALL_GEMM_MAX_ROWS)  # the row-streaming GEMM takes at least as many
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-            meta) -> torch.Tensor:
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta) -> torch.Tensor:
         """The decoder layers over the embeddings ``x`` [T, hidden] (updated in place and
         returned) of a decode step with ``meta.native`` set."""
         native = meta.native
         if cos.stride(-1) != 1 or sin.stride() != cos.stride() or cos.shape[-1] != self._stack.rot:
             raise ValueError("the native decode stack needs unit-stride cos/sin [T, rotary_dim] of one layout")
         x = x.contiguous()
-        self._lib.pd_decode_stack(ctypes.byref(self._stack), x.data_ptr(), x.shape[0], kv_cache.data_ptr(),
-                                  kv_cache.stride(1), native.kv_strides.data_ptr(), meta.slot_rows.data_ptr(),
-                                  native.block_tables.data_ptr(), native.context_lens.data_ptr(),
-                                  native.block_tables.shape[1], cos.data_ptr(), sin.data_ptr(), cos.stride(0))
+        self._lib.pd_decode_stack(
+            ctypes.byref(self._stack),
+            x.data_ptr(),
+            x.shape[0],
+            kv_cache.data_ptr(),
+            kv_cache.stride(1),
+            native.kv_strides.data_ptr(),
+            meta.slot_rows.data_ptr(),
+            native.block_tables.data_ptr(),
+            native.context_lens.data_ptr(),
+            native.block_tables.shape[1],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cos.stride(0),
+        )
         return x

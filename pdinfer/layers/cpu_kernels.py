@@ -54,12 +54,10 @@ import torch
 logger = logging.getLogger("pdinfer")
 
 # The C++ sources, compiled together into one library, and the header they share.
-_SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("cpu_kernels.cpp", "quant_gemm.cpp", "decode_stack.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "quant_gemm.cpp", "decode_stack.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile.h")]
 
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17",
-          "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -87,11 +85,19 @@ def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ct
         return None
     torch_dir = Path(torch.__file__).parent
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    cmd_tail = [*extra_flags, f"-I{torch_dir / 'include'}", abi, f"-L{torch_dir / 'lib'}", "-lc10",
-                "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    cmd_tail = [
+        *extra_flags,
+        f"-I{torch_dir / 'include'}",
+        abi,
+        f"-L{torch_dir / 'lib'}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{torch_dir / 'lib'}",
+    ]
     texts = [src.read_text() for src in _SOURCES + _HEADERS]
-    key = hashlib.sha256("\0".join([*texts, *_FLAGS, *cmd_tail, torch.__version__, _cpu_id()])
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*texts, *_FLAGS, *cmd_tail, torch.__version__, _cpu_id()]).encode()).hexdigest()[
+        :16
+    ]
     root = Path(cache_dir or os.path.expanduser("~/.cache/pdinfer")) / "kernels"
     path = root / f"cpu_kernels-{key}.so"
     try:
@@ -101,8 +107,10 @@ def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ct
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         for name, argtypes in [
             ("pd_paged_decode", [ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, i64]),
-            ("pd_prefill_attention", [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64,
-                                      i64, i64, f32, i64]),
+            (
+                "pd_prefill_attention",
+                [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64],
+            ),
             ("pd_write_kv", [ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64]),
             ("pd_small_gemm", [ptr, ptr, ptr, ptr, i64, i64, i64]),
             ("pd_quant_gemm", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
@@ -125,8 +133,12 @@ def _compile(path: Path, cmd_tail: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / "cpu_kernels.so"
-        subprocess.run(["g++", *_FLAGS, *map(str, _SOURCES), "-o", str(out), *cmd_tail],
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            ["g++", *_FLAGS, *map(str, _SOURCES), "-o", str(out), *cmd_tail],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         os.replace(out, path)  # atomic: concurrent engines never load a half-written file
 
 
@@ -163,9 +175,15 @@ def _kv_bf16(layer_cache: torch.Tensor) -> int:
     return int(layer_cache.dtype == torch.bfloat16)
 
 
-def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor, strides: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+def paged_decode(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    strides: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q [B, H, D] (rows may be strided) -> out [B, H, D] in q's dtype; ``strides`` from
     ``kv_strides``. A bfloat16 q is widened to float32 for the kernel, and its output rounded
     back."""
@@ -174,26 +192,58 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor,
     kv_bf16 = _kv_bf16(layer_cache)
     q32 = _head_rows(q.float())
     out = torch.empty(batch, heads, dim, dtype=torch.float32, device=q.device)
-    lib.pd_paged_decode(layer_cache.data_ptr(), q32.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
-                        context_lens.data_ptr(), batch, block_tables.shape[1], strides.data_ptr(),
-                        kv_heads, heads // kv_heads, dim, q32.stride(0), scale, kv_bf16)
+    lib.pd_paged_decode(
+        layer_cache.data_ptr(),
+        q32.data_ptr(),
+        out.data_ptr(),
+        block_tables.data_ptr(),
+        context_lens.data_ptr(),
+        batch,
+        block_tables.shape[1],
+        strides.data_ptr(),
+        kv_heads,
+        heads // kv_heads,
+        dim,
+        q32.stride(0),
+        scale,
+        kv_bf16,
+    )
     return out.to(q.dtype)
 
 
-def write_kv(lib: ctypes.CDLL, layer_cache: torch.Tensor, slot_rows: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
+def write_kv(
+    lib: ctypes.CDLL, layer_cache: torch.Tensor, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     """``torch_paged``'s two ``index_copy_`` of the new tokens' K/V [T, KVH, D] (rows may be
     strided) into the layer's cache, in one native call (K/V cast to the cache's dtype first)."""
     _kv_bf16(layer_cache)
     row = k.shape[1] * k.shape[2]
     k, v = _head_rows(k.to(layer_cache.dtype)), _head_rows(v.to(layer_cache.dtype))
-    lib.pd_write_kv(layer_cache.data_ptr(), slot_rows.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(),
-                    v.stride(0), k.shape[0], row, layer_cache.shape[2], layer_cache.element_size())
+    lib.pd_write_kv(
+        layer_cache.data_ptr(),
+        slot_rows.data_ptr(),
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        k.shape[0],
+        row,
+        layer_cache.shape[2],
+        layer_cache.element_size(),
+    )
 
 
-def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor,
-                      block_tables: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
-                      context_lens: torch.Tensor, strides: torch.Tensor, scale: float) -> torch.Tensor:
+def prefill_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    strides: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Causal attention of a prefill step's queries q [T, H, D] (rows may be strided) over each
     sequence's context in the cache, its new K/V already written -> out [T, H, D] in q's dtype
     (float32 arithmetic, as ``paged_decode``)."""
@@ -202,10 +252,25 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tens
     kv_bf16 = _kv_bf16(layer_cache)
     q32 = _head_rows(q.float())
     out = torch.empty(tokens, heads, dim, dtype=torch.float32, device=q.device)
-    lib.pd_prefill_attention(layer_cache.data_ptr(), strides.data_ptr(), q32.data_ptr(), q32.stride(0),
-                             out.data_ptr(), out.stride(0), block_tables.data_ptr(),
-                             query_starts.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(),
-                             len(query_lens), block_tables.shape[1], heads, kv_heads, dim, scale, kv_bf16)
+    lib.pd_prefill_attention(
+        layer_cache.data_ptr(),
+        strides.data_ptr(),
+        q32.data_ptr(),
+        q32.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        block_tables.data_ptr(),
+        query_starts.data_ptr(),
+        query_lens.data_ptr(),
+        context_lens.data_ptr(),
+        len(query_lens),
+        block_tables.shape[1],
+        heads,
+        kv_heads,
+        dim,
+        scale,
+        kv_bf16,
+    )
     return out.to(q.dtype)
 
 
@@ -223,13 +288,19 @@ def kv_strides(layer_cache: torch.Tensor) -> torch.Tensor:
     return torch.tensor([s[0], s[1], s[2], s[3], layer_cache.shape[2]], dtype=torch.int64)
 
 
-def small_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+def small_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` for a few float32 rows; ``weight`` [N, K] must be contiguous."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    lib.pd_small_gemm(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                      out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1])
+    lib.pd_small_gemm(
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        weight.shape[0],
+        weight.shape[1],
+    )
     return out
 
 
@@ -244,17 +315,30 @@ class FusedOps:
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         out = torch.empty(x2.shape, dtype=x.dtype)
-        self.lib.pd_rms_norm(x2.data_ptr(), x2.stride(0), weight.data_ptr(), out.data_ptr(),
-                             x2.shape[0], x2.shape[1], eps)
+        self.lib.pd_rms_norm(
+            x2.data_ptr(), x2.stride(0), weight.data_ptr(), out.data_ptr(), x2.shape[0], x2.shape[1], eps
+        )
         return out.view(x.shape)
 
     def rotary_qk_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotate q [T, H, D] and k [T, KVH, D] in place (they may be strided views); (q, k)."""
         if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride():
             raise ValueError("rotary_qk_ needs unit stride in the last dim and matching cos/sin")
-        self.lib.pd_rotary_qk(q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(),
-                              k.stride(0), k.stride(1), k.shape[1], cos.data_ptr(), sin.data_ptr(),
-                              cos.stride(0), q.shape[0], cos.shape[-1])
+        self.lib.pd_rotary_qk(
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            q.shape[1],
+            k.data_ptr(),
+            k.stride(0),
+            k.stride(1),
+            k.shape[1],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cos.stride(0),
+            q.shape[0],
+            cos.shape[-1],
+        )
         return q, k
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

@@ -85,8 +85,14 @@ class QuantWeight:
         if len({(p.kind, p.k) for p in parts}) != 1:
             return None
         mn = None if parts[0].mn is None else torch.cat([p.mn for p in parts])
-        return QuantWeight(parts[0].kind, torch.cat([p.qs for p in parts]),
-                           torch.cat([p.d for p in parts]), mn, sum(p.n for p in parts), parts[0].k)
+        return QuantWeight(
+            parts[0].kind,
+            torch.cat([p.qs for p in parts]),
+            torch.cat([p.d for p in parts]),
+            mn,
+            sum(p.n for p in parts),
+            parts[0].k,
+        )
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """The float32 weight rows ``rows`` (for checks; the kernels never build it)."""
@@ -102,8 +108,9 @@ class QuantWeight:
         if tuple(weight.shape) != (self.n, self.k):
             return False
         head, tail = slice(0, rows), slice(max(0, self.n - rows), self.n)
-        return bool(torch.equal(self.dequantize(head), weight[head])
-                    and torch.equal(self.dequantize(tail), weight[tail]))
+        return bool(
+            torch.equal(self.dequantize(head), weight[head]) and torch.equal(self.dequantize(tail), weight[tail])
+        )
 
     @property
     def max_rows(self) -> int:
@@ -141,15 +148,27 @@ class QuantWeight:
         else:
             qs, d, mn = self.tiles
             gemm = lib.pd_quant_gemm_tiled
-        gemm(x.data_ptr(), qs.data_ptr(), d.data_ptr(), None if mn is None else mn.data_ptr(), bias_ptr,
-             out.data_ptr(), x.shape[0], self.n, self.k)
+        gemm(
+            x.data_ptr(),
+            qs.data_ptr(),
+            d.data_ptr(),
+            None if mn is None else mn.data_ptr(),
+            bias_ptr,
+            out.data_ptr(),
+            x.shape[0],
+            self.n,
+            self.k,
+        )
         return out
 
 
 def onednn_packing_available() -> bool:
     ops = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise"))
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
 
 
 class PackedLinear(nn.Module):
@@ -162,8 +181,7 @@ class PackedLinear(nn.Module):
     copy is not a parameter, so it must be rebuilt (``repack``) if the weights change.
     """
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, kernels=None,
-                 quant: QuantWeight | None = None):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, kernels=None, quant: QuantWeight | None = None):
         super().__init__()
         self.weight = weight
         self.bias = bias
@@ -212,9 +230,11 @@ def pack_linears(model: nn.Module, kernels=None, quantized: dict[str, QuantWeigh
         weight = embed.weight
         if weight.device.type == "cpu" and weight.dtype in dtypes:
             model.lm_head = PackedLinear(weight, None, kernels, quant_for("embed_tokens.weight", weight))
-    targets = [(name, module) for name, module in model.named_modules()
-               if type(module) is nn.Linear and module.weight.device.type == "cpu"
-               and module.weight.dtype in dtypes]
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in dtypes
+    ]
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

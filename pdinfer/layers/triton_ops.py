@@ -29,8 +29,7 @@ def next_pow2(n: int) -> int:
 if HAS_TRITON:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
-                         BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -41,8 +40,18 @@ if HAS_TRITON:
         tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotate_heads(x_ptr, row, stride_t, stride_h, num_heads, c, s,
-                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+    def _rotate_heads(
+        x_ptr,
+        row,
+        stride_t,
+        stride_h,
+        num_heads,
+        c,
+        s,
+        HALF: tl.constexpr,
+        HALF_PAD: tl.constexpr,
+        HEADS_PAD: tl.constexpr,
+    ):
         heads = tl.arange(0, HEADS_PAD)
         d = tl.arange(0, HALF_PAD)
         mask = (heads[:, None] < num_heads) & (d[None, :] < HALF)
@@ -61,9 +70,22 @@ if HAS_TRITON:
         tl.store(ptr + HALF, (a2 + b2).to(dtype), mask=mask)
 
     @triton.jit
-    def _rotary_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt,
-                          stride_kh, stride_ct, num_q_heads, num_k_heads,
-                          HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+    def _rotary_qk_kernel(
+        q_ptr,
+        k_ptr,
+        cos_ptr,
+        sin_ptr,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_ct,
+        num_q_heads,
+        num_k_heads,
+        HALF: tl.constexpr,
+        HALF_PAD: tl.constexpr,
+        HEADS_PAD: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, HALF_PAD)
         dmask = d < HALF
@@ -97,8 +119,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         n = shape[-1]
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), n, eps,
-                                         BLOCK=next_pow2(n), num_warps=4 if n <= 4096 else 8)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, weight, out, x2.stride(0), out.stride(0), n, eps, BLOCK=next_pow2(n), num_warps=4 if n <= 4096 else 8
+        )
     return out.view(shape)
 
 
@@ -116,9 +139,23 @@ def rotary_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         raise ValueError("rotary_qk_ needs unit stride in the last dim and matching cos/sin")
     half = rotary_dim // 2
     heads_pad = next_pow2(max(q.shape[1], k.shape[1]))
-    _rotary_qk_kernel[(t, 2)](q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                              cos.stride(0), q.shape[1], k.shape[1], HALF=half,
-                              HALF_PAD=next_pow2(half), HEADS_PAD=heads_pad, num_warps=4)
+    _rotary_qk_kernel[(t, 2)](
+        q,
+        k,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        q.shape[1],
+        k.shape[1],
+        HALF=half,
+        HALF_PAD=next_pow2(half),
+        HEADS_PAD=heads_pad,
+        num_warps=4,
+    )
     return q, k
 
 
@@ -131,6 +168,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(2048, next_pow2(n))
-        _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), n,
-                                                             BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
+            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+        )
     return out.view(*x.shape[:-1], n)

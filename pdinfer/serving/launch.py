@@ -50,9 +50,11 @@ def add_launch_parser(subparsers) -> None:
     from pdinfer.cli import add_engine_args, add_kv_transfer_args
 
     p = subparsers.add_parser(
-        "launch", help="start a local P/D cluster (engines + router) and print its URL",
+        "launch",
+        help="start a local P/D cluster (engines + router) and print its URL",
         description="Engine flags apply to every engine. Without --num-threads, the CPU cores "
-                    "are divided among the engines.")
+        "are divided among the engines.",
+    )
     p.add_argument("--prefill", type=int, default=1, help="PROMPT engines")
     p.add_argument("--decode", type=int, default=1, help="COMPLETION engines")
     p.add_argument("--normal", type=int, default=0, help="NORMAL engines (short prompts)")
@@ -61,8 +63,13 @@ def add_launch_parser(subparsers) -> None:
     p.add_argument("--api-key", default=None, help="the router requires it on /v1/*")
     p.add_argument("--log-dir", default=None, help="children's logs (default: a new temp dir)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
-    p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
-                   help="extra flag for the router, e.g. --router-arg=--normal-max-prompt-tokens=128")
+    p.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra flag for the router, e.g. --router-arg=--normal-max-prompt-tokens=128",
+    )
     add_engine_args(p)
     add_kv_transfer_args(p)
     p.set_defaults(func=run_launch)
@@ -120,17 +127,14 @@ def _children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
         flags += ["--num-threads", str(max(1, (os.cpu_count() or 1) // num_engines))]
     devices = engine_devices(args.device, num_engines)
     children: list[Child] = []
-    for role, count in (("prompt", args.prefill), ("completion", args.decode),
-                        ("normal", args.normal)):
+    for role, count in (("prompt", args.prefill), ("completion", args.decode), ("normal", args.normal)):
         for i in range(count):
             port = free_port()
-            cmd = [*pdinfer, "serve", "--role", role, "--host", "127.0.0.1", "--port", str(port),
-                   *flags]
+            cmd = [*pdinfer, "serve", "--role", role, "--host", "127.0.0.1", "--port", str(port), *flags]
             device = devices[len(children)]
             if device is not None:
                 cmd += ["--device", device]
-            children.append(Child(f"{role}-{i}", cmd, f"http://127.0.0.1:{port}",
-                                  log_dir / f"{role}-{i}.log"))
+            children.append(Child(f"{role}-{i}", cmd, f"http://127.0.0.1:{port}", log_dir / f"{role}-{i}.log"))
     router = [*pdinfer, "router", "--host", args.host, "--port", str(args.port)]
     for role, flag in (("prompt", "--prefill"), ("completion", "--decode"), ("normal", "--normal")):
         urls = [c.url for c in children if c.name.startswith(role)]
@@ -156,9 +160,15 @@ def _die_with_parent() -> None:
 
 def start_child(child: Child) -> None:
     with open(child.log_path, "ab") as log:
-        child.proc = subprocess.Popen(child.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                      preexec_fn=_die_with_parent, env=env.child_environ())
+        child.proc = subprocess.Popen(
+            child.cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            env=env.child_environ(),
+        )
 
 
 def _healthy(child: Child) -> bool:
@@ -222,8 +232,7 @@ def run_launch(args: argparse.Namespace) -> int:
         print("pdinfer launch: engine counts must be >= 0", file=sys.stderr)
         return 2
     if (args.prefill == 0) != (args.decode == 0) or args.prefill + args.normal == 0:
-        print("pdinfer launch: needs --prefill and --decode engines (both), or --normal ones",
-              file=sys.stderr)
+        print("pdinfer launch: needs --prefill and --decode engines (both), or --normal ones", file=sys.stderr)
         return 2
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdinfer-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -251,15 +260,16 @@ def _run(children: list[Child], args: argparse.Namespace, log_dir: Path) -> int:
         start_child(router)
         failed = wait_healthy([router], args.startup_timeout_s)
     if failed is not None:
-        state = (f"exited with {failed.proc.returncode}" if failed.proc.poll() is not None
-                 else "did not become healthy")
-        print(f"pdinfer launch: {failed.name} {state}; its log ({failed.log_path}):\n"
-              f"{failed.log_tail()}", file=sys.stderr, flush=True)
+        state = f"exited with {failed.proc.returncode}" if failed.proc.poll() is not None else "did not become healthy"
+        print(
+            f"pdinfer launch: {failed.name} {state}; its log ({failed.log_path}):\n{failed.log_tail()}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     print(f"pdinfer launch: {router.url}/v1 is ready", flush=True)
     for child in children:
-        print(f"  {child.name:<13} {child.url}  pid {child.proc.pid}  log {child.log_path}",
-              flush=True)
+        print(f"  {child.name:<13} {child.url}  pid {child.proc.pid}  log {child.log_path}", flush=True)
     print("Ctrl-C stops the cluster.", flush=True)
     return _watch(engines, router)
 
@@ -268,12 +278,18 @@ def _watch(engines: list[Child], router: Child) -> int:
     reported: set[str] = set()
     while True:
         if router.proc.poll() is not None:
-            print(f"pdinfer launch: the router exited with {router.proc.returncode}:\n"
-                  f"{router.log_tail()}", file=sys.stderr, flush=True)
+            print(
+                f"pdinfer launch: the router exited with {router.proc.returncode}:\n{router.log_tail()}",
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
         for child in engines:
             if child.proc.poll() is not None and child.name not in reported:
                 reported.add(child.name)  # the router ejects it; the rest keeps serving
-                print(f"pdinfer launch: {child.name} exited with {child.proc.returncode} "
-                      f"(log {child.log_path})", file=sys.stderr, flush=True)
+                print(
+                    f"pdinfer launch: {child.name} exited with {child.proc.returncode} (log {child.log_path})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         time.sleep(_POLL_S)

@@ -41,15 +41,14 @@ DEFAULT_PREFIX_CAPACITY_BLOCKS = 1 << 16  # hashes remembered per PE
 
 
 def bucket_of(num_tokens: int) -> int:
-    return next((i for i, bound in enumerate(BUCKET_BOUNDS_TOKENS) if num_tokens < bound),
-                len(BUCKET_BOUNDS_TOKENS))
+    return next((i for i, bound in enumerate(BUCKET_BOUNDS_TOKENS) if num_tokens < bound), len(BUCKET_BOUNDS_TOKENS))
 
 
 def block_hashes(token_ids: list[int], block_size: int = BLOCK_SIZE_TOKENS) -> list[bytes]:
     """Chained hashes of the full blocks of ``token_ids`` (the engines' prefix-cache keys)."""
     hashes, parent = [], ROOT_HASH
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_hash(parent, token_ids[start:start + block_size])
+        parent = chain_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
 
@@ -57,8 +56,7 @@ def block_hashes(token_ids: list[int], block_size: int = BLOCK_SIZE_TOKENS) -> l
 class PrefixIndex:
     """An LRU set of block hashes: which prefixes an engine has probably cached."""
 
-    def __init__(self, capacity_blocks: int = DEFAULT_PREFIX_CAPACITY_BLOCKS,
-                 block_size: int = BLOCK_SIZE_TOKENS):
+    def __init__(self, capacity_blocks: int = DEFAULT_PREFIX_CAPACITY_BLOCKS, block_size: int = BLOCK_SIZE_TOKENS):
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
@@ -170,9 +168,12 @@ class NormalBalancer(DecodeBalancer):
 class PrefillBalancer(_Balancer):
     """Queued uncached prompt tokens per context bucket, with a preference for cached prefixes."""
 
-    def __init__(self, engines: list[Engine],
-                 prefix_tolerance_tokens: int = DEFAULT_PREFIX_TOLERANCE_TOKENS,
-                 prefix_capacity_blocks: int = DEFAULT_PREFIX_CAPACITY_BLOCKS):
+    def __init__(
+        self,
+        engines: list[Engine],
+        prefix_tolerance_tokens: int = DEFAULT_PREFIX_TOLERANCE_TOKENS,
+        prefix_capacity_blocks: int = DEFAULT_PREFIX_CAPACITY_BLOCKS,
+    ):
         super().__init__(engines)
         if prefix_tolerance_tokens < 0:
             raise ValueError(f"prefix_tolerance_tokens must be >= 0, got {prefix_tolerance_tokens}")
@@ -190,8 +191,7 @@ class PrefillBalancer(_Balancer):
         least = min(engines, key=lambda e: (e.queued_tokens[b], e.total_queued_tokens, e.last_pick))
         holder = max(engines, key=lambda e: (cached[e.url], -e.queued_tokens[b]))
         chosen = least
-        if (cached[holder.url] > 0
-                and holder.queued_tokens[b] <= least.queued_tokens[b] + self.prefix_tolerance_tokens):
+        if cached[holder.url] > 0 and holder.queued_tokens[b] <= least.queued_tokens[b] + self.prefix_tolerance_tokens:
             chosen = holder
         self._stamp(chosen)
         chosen.prefix.add(hashes)

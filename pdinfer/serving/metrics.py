@@ -24,10 +24,8 @@ if TYPE_CHECKING:  # the router uses the buckets without the engine (and torch)
     from pdinfer.serving.async_engine import EngineStats
 
 PREFIX = "pdinfer_"
-_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-                      160.0)
-_TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
-                    2.5)
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
 class RequestLatencyMetrics:
@@ -36,15 +34,23 @@ class RequestLatencyMetrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
         self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time from arrival to the first output token.",
-            buckets=_LATENCY_BUCKETS_S, registry=r)
+            PREFIX + "time_to_first_token_seconds",
+            "Time from arrival to the first output token.",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
         self.time_per_output_token = Histogram(
             PREFIX + "time_per_output_token_seconds",
             "Mean time between output tokens after the first, per request.",
-            buckets=_TOKEN_BUCKETS_S, registry=r)
+            buckets=_TOKEN_BUCKETS_S,
+            registry=r,
+        )
         self.e2e_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last output token.",
-            buckets=_LATENCY_BUCKETS_S, registry=r)
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from arrival to the last output token.",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
 
 
 class ServerMetrics(RequestLatencyMetrics):
@@ -52,43 +58,37 @@ class ServerMetrics(RequestLatencyMetrics):
         super().__init__()
         r = self.registry
         self.requests_finished = Counter(
-            PREFIX + "requests_finished", "Engine requests finished, by finish reason.",
-            ["finish_reason"], registry=r)
+            PREFIX + "requests_finished", "Engine requests finished, by finish reason.", ["finish_reason"], registry=r
+        )
         self.errors = Counter(
-            PREFIX + "request_errors", "HTTP requests answered with an error, by kind.",
-            ["kind"], registry=r)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens received.",
-                                     registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Output tokens produced.",
-                                         registry=r)
-        self.num_waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting to prefill.",
-                                 registry=r)
-        self.num_running = Gauge(PREFIX + "num_requests_running", "Sequences decoding.",
-                                 registry=r)
-        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_ratio", "Fraction of KV blocks in use.",
-                              registry=r)
+            PREFIX + "request_errors", "HTTP requests answered with an error, by kind.", ["kind"], registry=r
+        )
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens received.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Output tokens produced.", registry=r)
+        self.num_waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting to prefill.", registry=r)
+        self.num_running = Gauge(PREFIX + "num_requests_running", "Sequences decoding.", registry=r)
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_ratio", "Fraction of KV blocks in use.", registry=r)
         self.free_blocks = Gauge(PREFIX + "kv_cache_free_blocks", "Free KV blocks.", registry=r)
-        self.total_blocks = Gauge(PREFIX + "kv_cache_total_blocks", "KV blocks in all.",
-                                  registry=r)
+        self.total_blocks = Gauge(PREFIX + "kv_cache_total_blocks", "KV blocks in all.", registry=r)
         self.prefix_hit_rate = Gauge(
-            PREFIX + "prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.",
-            registry=r)
-        self.preemptions = Gauge(PREFIX + "num_preemptions", "Preemptions since start.",
-                                 registry=r)
-        self.healthy = Gauge(PREFIX + "engine_healthy", "1 while the engine loop runs.",
-                             registry=r)
+            PREFIX + "prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.", registry=r
+        )
+        self.preemptions = Gauge(PREFIX + "num_preemptions", "Preemptions since start.", registry=r)
+        self.healthy = Gauge(PREFIX + "engine_healthy", "1 while the engine loop runs.", registry=r)
         # A gauge per cumulative PE hand-off stat (the engine counts; we copy at scrape time).
-        self.handoffs = Gauge(PREFIX + "kv_handoffs", "K/V hand-offs the CE confirmed (PE).",
-                              registry=r)
-        self.handoff_bytes = Gauge(PREFIX + "kv_handoff_bytes", "K/V bytes handed over (PE).",
-                                   registry=r)
+        self.handoffs = Gauge(PREFIX + "kv_handoffs", "K/V hand-offs the CE confirmed (PE).", registry=r)
+        self.handoff_bytes = Gauge(PREFIX + "kv_handoff_bytes", "K/V bytes handed over (PE).", registry=r)
         self.handoff_seconds = Gauge(
-            PREFIX + "kv_handoff_seconds", "Seconds from K/V push to the CE's confirmation, "
-                                           "summed over hand-offs (PE).", registry=r)
-        self.handoffs_failed = Gauge(PREFIX + "kv_handoffs_failed",
-                                     "Hand-offs that failed or were aborted (PE).", registry=r)
-        info = Gauge(PREFIX + "engine_info", "Constant 1, labelled with the engine's identity.",
-                     ["model", "role"], registry=r)
+            PREFIX + "kv_handoff_seconds",
+            "Seconds from K/V push to the CE's confirmation, summed over hand-offs (PE).",
+            registry=r,
+        )
+        self.handoffs_failed = Gauge(
+            PREFIX + "kv_handoffs_failed", "Hand-offs that failed or were aborted (PE).", registry=r
+        )
+        info = Gauge(
+            PREFIX + "engine_info", "Constant 1, labelled with the engine's identity.", ["model", "role"], registry=r
+        )
         info.labels(model=model_name, role=role).set(1)
 
     def render(self, stats: EngineStats, healthy: bool) -> tuple[bytes, str]:

@@ -53,8 +53,7 @@ def reservation_to_dict(reservation: Reservation) -> dict[str, Any]:
 
 
 def output_delta(index: int, text: str, token_ids: list[int], logprobs, finish_reason) -> dict[str, Any]:
-    entry: dict[str, Any] = {"index": index, "text": text, "token_ids": token_ids,
-                             "finish_reason": finish_reason}
+    entry: dict[str, Any] = {"index": index, "text": text, "token_ids": token_ids, "finish_reason": finish_reason}
     if logprobs is not None:
         entry["logprobs"] = [{str(k): v for k, v in d.items()} for d in logprobs]
     return entry

@@ -62,16 +62,21 @@ class PDEndpoints:
                     for c in output.outputs:
                         chars, tokens = seen.get(c.index, (0, 0))
                         logprobs = c.logprobs[tokens:] if c.logprobs is not None else None
-                        deltas.append(output_delta(c.index, c.text[chars:], c.token_ids[tokens:],
-                                                   logprobs, c.finish_reason))
+                        deltas.append(
+                            output_delta(c.index, c.text[chars:], c.token_ids[tokens:], logprobs, c.finish_reason)
+                        )
                         seen[c.index] = (len(c.text), len(c.token_ids))
-                    yield _event({"outputs": deltas, "finished": output.finished,
-                                  "error": output.error if output.finished else None})
+                    yield _event(
+                        {
+                            "outputs": deltas,
+                            "finished": output.finished,
+                            "error": output.error if output.finished else None,
+                        }
+                    )
             finally:
                 stream.close()  # the router went away: abort (frees reserved or decoding blocks)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def prefill(self, body: PrefillRequest) -> dict:
         """PE: prefill, push K/V + first token to the reserving CE, answer once it confirmed."""
@@ -93,14 +98,21 @@ class PDEndpoints:
             stream.close()
         if final is None or not final.finished or final.error:
             error = final.error if final is not None else "no output"
-            raise APIError(504 if "lease" in (error or "") else 502,
-                           f"the hand-off failed: {error}", type="server_error", code="handoff_failed")
+            raise APIError(
+                504 if "lease" in (error or "") else 502,
+                f"the hand-off failed: {error}",
+                type="server_error",
+                code="handoff_failed",
+            )
         return {"first_tokens": first_tokens, "handoff_s": time.monotonic() - start}
 
     def _require(self, role: EngineType) -> None:
         if self.engine.role is not role:
-            raise APIError(400, f"this engine plays {self.engine.role.name}; this endpoint is for "
-                                f"{role.name} engines", code="wrong_role")
+            raise APIError(
+                400,
+                f"this engine plays {self.engine.role.name}; this endpoint is for {role.name} engines",
+                code="wrong_role",
+            )
 
 
 def _event(payload: dict) -> str:

@@ -19,8 +19,15 @@ MAX_N = 16
 class APIError(Exception):
     """An error answered with OpenAI's shape: ``{"error": {message, type, param, code}}``."""
 
-    def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
@@ -29,8 +36,7 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -97,17 +103,27 @@ class _GenerationRequest(BaseModel):
         if self.n > MAX_N:
             raise bad_request(f"n must be at most {MAX_N}, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
-            raise bad_request("stream_options is only allowed with stream=true",
-                              param="stream_options")
+            raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
         values: dict[str, Any] = {
-            "n": self.n, "max_tokens": max_tokens, "stop": self.stop,
-            "stop_token_ids": self.stop_token_ids, "seed": self.seed,
-            "ignore_eos": self.ignore_eos, "logprobs": logprobs,
+            "n": self.n,
+            "max_tokens": max_tokens,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
         try:
@@ -135,8 +151,7 @@ class CompletionRequest(_GenerationRequest):
         if self.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
-                              param="logprobs")
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs")
         return self._sampling_params(self.max_tokens, self.logprobs)
 
     def prompts(self) -> list[str | list[int]]:
@@ -187,8 +202,9 @@ class ChatCompletionRequest(_GenerationRequest):
             if not self.logprobs:
                 raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], "
-                                  f"got {self.top_logprobs}", param="top_logprobs")
+                raise bad_request(
+                    f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
+                )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens or self.max_tokens  # None: up to the context
         return self._sampling_params(max_tokens, logprobs)
@@ -196,13 +212,15 @@ class ChatCompletionRequest(_GenerationRequest):
 
 # --- responses (plain dicts: cheaper than models on the streaming path) -----------------------------
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def model_card(name: str, created: int, max_model_len: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "pdinfer",
-            "max_model_len": max_model_len}
+    return {"id": name, "object": "model", "created": created, "owned_by": "pdinfer", "max_model_len": max_model_len}
 
 
 def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
@@ -210,8 +228,9 @@ def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: -item[1])[: max(k, 1)]
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]],
-                        k: int, text_offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer, token_ids: list[int], entries: list[dict[int, float]], k: int, text_offset: int
+) -> dict[str, Any]:
     """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
@@ -221,12 +240,10 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int,
         tops.append({tokenizer.decode([t]): lp for t, lp in top_entries(entry, k)})
         offsets.append(text_offset)
         text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]],
-                  k: int) -> dict[str, Any]:
+def chat_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]], k: int) -> dict[str, Any]:
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         text = tokenizer.decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

@@ -105,8 +105,7 @@ class _Generation:
         return protocol.usage(sum(self.prompt_tokens), completion)
 
     def finals(self) -> list[Delta]:
-        return [Delta(i, c.text, c.token_ids, c.logprobs, c.finish_reason, 0)
-                for i, c in self.choices.items()]
+        return [Delta(i, c.text, c.token_ids, c.logprobs, c.finish_reason, 0) for i, c in self.choices.items()]
 
     def cancel(self) -> None:
         for task in self.tasks:
@@ -114,8 +113,14 @@ class _Generation:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, model_name: str, tokenizer, vocab_size: int | None,
-                 default_max_model_len: int | None):
+    def __init__(
+        self,
+        config: RouterConfig,
+        model_name: str,
+        tokenizer,
+        vocab_size: int | None,
+        default_max_model_len: int | None,
+    ):
         self.config = config
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -123,19 +128,26 @@ class Router:
         self.default_max_model_len = default_max_model_len
         self.created = int(time.time())
         self.metrics = RouterMetrics(model_name)
-        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
-                                                            max_keepalive_connections=256))
-        engines = ([Engine(u, "prefill") for u in config.prefill_urls]
-                   + [Engine(u, "decode") for u in config.decode_urls]
-                   + [Engine(u, "normal") for u in config.normal_urls])
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        engines = (
+            [Engine(u, "prefill") for u in config.prefill_urls]
+            + [Engine(u, "decode") for u in config.decode_urls]
+            + [Engine(u, "normal") for u in config.normal_urls]
+        )
         self.pool = EnginePool(engines, self.client, self.metrics, config.health_interval_s)
-        self.prefill_lb = PrefillBalancer(self.pool.by_role("prefill"),
-                                          config.prefix_tolerance_tokens)
+        self.prefill_lb = PrefillBalancer(self.pool.by_role("prefill"), config.prefix_tolerance_tokens)
         self.decode_lb = DecodeBalancer(self.pool.by_role("decode"))
         self.normal_lb = NormalBalancer(self.pool.by_role("normal"))
-        self.driver = PDDriver(self.pool, self.client, self.metrics, self.prefill_lb,
-                               self.decode_lb, config.max_attempts, config.queue_timeout_s,
-                               config.engine_timeout_s)
+        self.driver = PDDriver(
+            self.pool,
+            self.client,
+            self.metrics,
+            self.prefill_lb,
+            self.decode_lb,
+            config.max_attempts,
+            config.queue_timeout_s,
+            config.engine_timeout_s,
+        )
         self._background: set[asyncio.Task] = set()
 
     # --- checks ----------------------------------------------------------------------------------
@@ -144,8 +156,12 @@ class Router:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     @property
     def prompts(self) -> PromptBuilder:
@@ -161,38 +177,39 @@ class Router:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         params = body.sampling_params()
-        return await self._serve(request, body, "chatcmpl", [self.prompts.chat(body)], params,
-                                 chat=True)
+        return await self._serve(request, body, "chatcmpl", [self.prompts.chat(body)], params, chat=True)
 
-    async def _serve(self, request: Request, body, prefix: str, prompts: list[dict], params,
-                     chat: bool):
+    async def _serve(self, request: Request, body, prefix: str, prompts: list[dict], params, chat: bool):
         num_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-        if self.pool.healthy("normal") and (num_tokens <= self.config.normal_max_prompt_tokens
-                                            or not self.pool.pd_servable):
+        if self.pool.healthy("normal") and (
+            num_tokens <= self.config.normal_max_prompt_tokens or not self.pool.pd_servable
+        ):
             path = "/v1/chat/completions" if chat else "/v1/completions"
             response = await self._proxy_normal(request, path, body, num_tokens)
             if response is not None:
                 return response
         if not self.pool.pd_servable:
-            raise APIError(503, "no healthy prefill and completion engines to serve this request",
-                           type="server_error", code="no_engine")
+            raise APIError(
+                503,
+                "no healthy prefill and completion engines to serve this request",
+                type="server_error",
+                code="no_engine",
+            )
         gen = self._start(prefix, prompts, params)
-        fmt = ResponseFormat(self.tokenizer, self.model_name, gen.request_id, chat, params.logprobs,
-                             body.return_token_ids)
+        fmt = ResponseFormat(
+            self.tokenizer, self.model_name, gen.request_id, chat, params.logprobs, body.return_token_ids
+        )
         if body.stream:
             chunks = (fmt.chunk(d) async for d in self._deltas(gen, body.return_token_ids))
-            return sse_response(chunks, fmt, gen.usage, body.include_usage, self._count_error,
-                                gen.cancel)
+            return sse_response(chunks, fmt, gen.usage, body.include_usage, self._count_error, gen.cancel)
         await run_unless_disconnected(request, self._drain(gen))
         return fmt.body(gen.finals(), gen.usage())
 
     def _start(self, prefix: str, prompts: list[dict], params) -> _Generation:
-        gen = _Generation(f"{prefix}-{uuid.uuid4().hex}", params.n,
-                          [len(p["prompt_token_ids"]) for p in prompts])
+        gen = _Generation(f"{prefix}-{uuid.uuid4().hex}", params.n, [len(p["prompt_token_ids"]) for p in prompts])
         sampling = sampling_to_dict(params)
         for i, prompt in enumerate(prompts):
-            job = PDJob(i, f"{gen.request_id}-{i}", list(prompt["prompt_token_ids"]), sampling,
-                        gen.queue)
+            job = PDJob(i, f"{gen.request_id}-{i}", list(prompt["prompt_token_ids"]), sampling, gen.queue)
             gen.tasks.append(asyncio.ensure_future(self.driver.drive(job)))
         return gen
 
@@ -210,8 +227,7 @@ class Router:
                     index = i * gen.n + d["index"]
                     choice = gen.choices.setdefault(index, _Choice())
                     choice.extend(d)
-                    delta = tracker.update(index, choice.text, choice.token_ids, choice.logprobs,
-                                           choice.finish_reason)
+                    delta = tracker.update(index, choice.text, choice.token_ids, choice.logprobs, choice.finish_reason)
                     if delta is not None:
                         yield delta
         finally:
@@ -225,15 +241,14 @@ class Router:
         self.metrics.errors.labels(kind=exc.code or exc.type).inc()
 
     # --- NORMAL engines --------------------------------------------------------------------------
-    async def _proxy_normal(self, request: Request, path: str, body,
-                            num_tokens: int) -> Response | None:
+    async def _proxy_normal(self, request: Request, path: str, body, num_tokens: int) -> Response | None:
         """The answer of the first NORMAL engine that takes the request; None if none does."""
         payload = body.model_dump(exclude_unset=True)
         for engine in self.normal_lb.candidates():
             assignment = self.normal_lb.assign(engine, num_tokens)
             upstream = self.client.build_request(
-                "POST", engine.url + path, json=payload,
-                timeout=httpx.Timeout(self.config.engine_timeout_s, connect=5))
+                "POST", engine.url + path, json=payload, timeout=httpx.Timeout(self.config.engine_timeout_s, connect=5)
+            )
             try:
                 resp = await self.client.send(upstream, stream=True)
             except httpx.HTTPError as exc:
@@ -246,16 +261,17 @@ class Router:
                 continue
             self.metrics.routed.labels(engine=engine.url, role=engine.role).inc()
             if body.stream and resp.status_code == 200:
-                return StreamingResponse(self._relay_raw(resp, assignment),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                return StreamingResponse(
+                    self._relay_raw(resp, assignment),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
             try:
                 content = await run_unless_disconnected(request, resp.aread())
             finally:
                 assignment.release()
                 self._close_later(resp)
-            return Response(content, status_code=resp.status_code,
-                            media_type=resp.headers.get("content-type"))
+            return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
         return None
 
     async def _relay_raw(self, resp: httpx.Response, assignment) -> AsyncIterator[bytes]:
@@ -263,8 +279,7 @@ class Router:
             async for chunk in resp.aiter_raw():
                 yield chunk
         except httpx.HTTPError as exc:
-            error = APIError(502, f"the engine failed mid-stream: {exc!r}", type="server_error",
-                             code="engine_failed")
+            error = APIError(502, f"the engine failed mid-stream: {exc!r}", type="server_error", code="engine_failed")
             self._count_error(error)
             yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
         finally:
@@ -281,23 +296,31 @@ class Router:
     # --- the rest of the API ---------------------------------------------------------------------
     async def models(self) -> dict:
         max_len = self.pool.max_model_len() or self.default_max_model_len
-        return {"object": "list", "data": [protocol.model_card(self.model_name, self.created,
-                                                               max_len)]}
+        return {"object": "list", "data": [protocol.model_card(self.model_name, self.created, max_len)]}
 
     async def health(self) -> JSONResponse:
         counts = {role: len(self.pool.healthy(role)) for role in ("prefill", "decode", "normal")}
         ok = self.pool.pd_servable or counts["normal"] > 0
-        return JSONResponse({"status": "ok" if ok else "unavailable", "role": "router", **counts},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "role": "router", **counts}, status_code=200 if ok else 503
+        )
 
     async def render_metrics(self) -> Response:
         body, content_type = self.metrics.render(self.pool.engines)
         return Response(body, media_type=content_type)
 
     async def debug_engines(self) -> list[dict]:
-        return [{"url": e.url, "role": e.role, "healthy": e.healthy, "in_flight": e.in_flight,
-                 "kv_tokens": e.kv_tokens, "queued_tokens": e.total_queued_tokens}
-                for e in self.pool.engines]
+        return [
+            {
+                "url": e.url,
+                "role": e.role,
+                "healthy": e.healthy,
+                "in_flight": e.in_flight,
+                "kv_tokens": e.kv_tokens,
+                "queued_tokens": e.total_queued_tokens,
+            }
+            for e in self.pool.engines
+        ]
 
     # --- lifecycle -------------------------------------------------------------------------------
     @asynccontextmanager
@@ -317,8 +340,7 @@ def build_router_app(router: Router) -> FastAPI:
     install_error_handlers(app, router.metrics.errors)
     auth = [Depends(router.authorize)]
     app.add_api_route("/v1/completions", router.completions, methods=["POST"], dependencies=auth)
-    app.add_api_route("/v1/chat/completions", router.chat_completions, methods=["POST"],
-                      dependencies=auth)
+    app.add_api_route("/v1/chat/completions", router.chat_completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/models", router.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/health", router.health, methods=["GET"])
     app.add_api_route("/metrics", router.render_metrics, methods=["GET"])

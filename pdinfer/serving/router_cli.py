@@ -14,36 +14,74 @@ def add_router_parser(subparsers) -> None:
     from pdinfer.cli import positive_int
 
     p = subparsers.add_parser(
-        "router", help="the P/D front door: an OpenAI API that picks a PE and a CE per request",
+        "router",
+        help="the P/D front door: an OpenAI API that picks a PE and a CE per request",
         description="Tokenizes requests and drives the prefill -> decode hand-off over the "
-                    "engines' /pd endpoints; short prompts may go to NORMAL engines.")
-    p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL",
-                   help="prefill engines (pdinfer serve --role prompt)")
-    p.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL",
-                   help="completion engines (pdinfer serve --role completion)")
-    p.add_argument("--normal", nargs="+", action="extend", default=[], metavar="URL",
-                   help="NORMAL engines (pdinfer serve) for short prompts")
+        "engines' /pd endpoints; short prompts may go to NORMAL engines.",
+    )
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="URL",
+        help="prefill engines (pdinfer serve --role prompt)",
+    )
+    p.add_argument(
+        "--decode",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="URL",
+        help="completion engines (pdinfer serve --role completion)",
+    )
+    p.add_argument(
+        "--normal",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="URL",
+        help="NORMAL engines (pdinfer serve) for short prompts",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default=None,
-                   help="the engines' model, for its tokenizer and name (default: the embedded "
-                        "SmolLM2-135M-Instruct); no weights are loaded")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the engines' model, for its tokenizer and name (default: the embedded "
+        "SmolLM2-135M-Instruct); no weights are loaded",
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer source (default: the model)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1/*")
-    p.add_argument("--normal-max-prompt-tokens", type=int, default=256,
-                   help="with --normal: requests whose prompts total at most this many tokens go "
-                        "to a NORMAL engine")
-    p.add_argument("--prefix-tolerance-tokens", type=int, default=2048,
-                   help="prefer the PE holding the longest cached prefix while its queued prompt "
-                        "tokens exceed the least loaded PE's by at most this many")
-    p.add_argument("--max-attempts", type=positive_int, default=3,
-                   help="attempts per request on different engines, before any token streamed")
-    p.add_argument("--queue-timeout-s", type=float, default=60.0,
-                   help="how long a request waits while every CE is full before a 503")
-    p.add_argument("--engine-timeout-s", type=float, default=600.0,
-                   help="read timeout of the router's calls to an engine")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
+    p.add_argument(
+        "--normal-max-prompt-tokens",
+        type=int,
+        default=256,
+        help="with --normal: requests whose prompts total at most this many tokens go to a NORMAL engine",
+    )
+    p.add_argument(
+        "--prefix-tolerance-tokens",
+        type=int,
+        default=2048,
+        help="prefer the PE holding the longest cached prefix while its queued prompt "
+        "tokens exceed the least loaded PE's by at most this many",
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=positive_int,
+        default=3,
+        help="attempts per request on different engines, before any token streamed",
+    )
+    p.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=60.0,
+        help="how long a request waits while every CE is full before a 503",
+    )
+    p.add_argument(
+        "--engine-timeout-s", type=float, default=600.0, help="read timeout of the router's calls to an engine"
+    )
     p.add_argument("--health-interval-s", type=float, default=1.0)
     p.set_defaults(func=run_router)
 
@@ -60,25 +98,36 @@ def run_router(args: argparse.Namespace) -> int:
         config = RouterConfig(
             prefill_urls=[u.rstrip("/") for u in args.prefill],
             decode_urls=[u.rstrip("/") for u in args.decode],
-            normal_urls=[u.rstrip("/") for u in args.normal], api_key=args.api_key,
+            normal_urls=[u.rstrip("/") for u in args.normal],
+            api_key=args.api_key,
             normal_max_prompt_tokens=args.normal_max_prompt_tokens,
-            prefix_tolerance_tokens=args.prefix_tolerance_tokens, max_attempts=args.max_attempts,
-            queue_timeout_s=args.queue_timeout_s, engine_timeout_s=args.engine_timeout_s,
-            health_interval_s=args.health_interval_s)
+            prefix_tolerance_tokens=args.prefix_tolerance_tokens,
+            max_attempts=args.max_attempts,
+            queue_timeout_s=args.queue_timeout_s,
+            engine_timeout_s=args.engine_timeout_s,
+            health_interval_s=args.health_interval_s,
+        )
         folder, hf_config = resolve_model(args.model, env.get("PDINFER_CACHE_DIR"))
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdinfer router: {exc}", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(folder, args.tokenizer)
     name = args.served_model_name or served_model_name(args.model)
-    router = Router(config, name, tokenizer, hf_config.get("vocab_size"),
-                    hf_config.get("max_position_embeddings"))
+    router = Router(config, name, tokenizer, hf_config.get("vocab_size"), hf_config.get("max_position_embeddings"))
     app = build_router_app(router)
     level = logger.getEffectiveLevel()
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5,
-                               log_level="info" if level <= logging.DEBUG else "warning")
-    print(f"pdinfer router: {name} on http://{args.host}:{args.port} ({len(config.prefill_urls)} "
-          f"prefill, {len(config.decode_urls)} decode, {len(config.normal_urls)} normal)",
-          file=sys.stderr, flush=True)
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        timeout_graceful_shutdown=5,
+        log_level="info" if level <= logging.DEBUG else "warning",
+    )
+    print(
+        f"pdinfer router: {name} on http://{args.host}:{args.port} ({len(config.prefill_urls)} "
+        f"prefill, {len(config.decode_urls)} decode, {len(config.normal_urls)} normal)",
+        file=sys.stderr,
+        flush=True,
+    )
     uvicorn.Server(uv_config).run()
     return 0

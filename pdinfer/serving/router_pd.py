@@ -69,9 +69,17 @@ def _error(resp: httpx.Response, body: bytes) -> tuple[str, str | None]:
 
 
 class PDDriver:
-    def __init__(self, pool: EnginePool, client: httpx.AsyncClient, metrics: RouterMetrics,
-                 prefill_lb: PrefillBalancer, decode_lb: DecodeBalancer, max_attempts: int = 3,
-                 queue_timeout_s: float = 60.0, engine_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        pool: EnginePool,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        prefill_lb: PrefillBalancer,
+        decode_lb: DecodeBalancer,
+        max_attempts: int = 3,
+        queue_timeout_s: float = 60.0,
+        engine_timeout_s: float = 600.0,
+    ):
         self.pool, self.client, self.metrics = pool, client, metrics
         self.prefill_lb, self.decode_lb = prefill_lb, decode_lb
         self.max_attempts = max_attempts
@@ -92,30 +100,36 @@ class PDDriver:
                     last = exc
                     if exc.exclude:
                         excluded.add(exc.exclude)
-                    logger.warning("router: attempt %d of %s failed (%s)", job.attempt,
-                                   job.request_id, exc)
+                    logger.warning("router: attempt %d of %s failed (%s)", job.attempt, job.request_id, exc)
                     if job.attempt < self.max_attempts:
                         self.metrics.retries.labels(reason=exc.reason).inc()
-            raise APIError(503, f"the request failed on {self.max_attempts} attempts; the last "
-                                f"one: {last}", type="server_error", code="engine_failed")
+            raise APIError(
+                503,
+                f"the request failed on {self.max_attempts} attempts; the last one: {last}",
+                type="server_error",
+                code="engine_failed",
+            )
         except APIError as exc:
             job.queue.put_nowait((job.index, "error", exc))
         except Exception as exc:  # a router bug: fail this request, not the router
             logger.exception("router: request %s failed", job.request_id)
-            job.queue.put_nowait((job.index, "error", APIError(
-                500, f"router error: {exc!r}", type="server_error", code="router_error")))
+            job.queue.put_nowait(
+                (job.index, "error", APIError(500, f"router error: {exc!r}", type="server_error", code="router_error"))
+            )
 
     def _observe_finished(self, job: PDJob) -> None:
         now = time.monotonic()
         self.metrics.e2e_latency.observe(now - job.arrival_s)
         if job.first_token_s is not None and job.num_tokens > 1:
-            self.metrics.time_per_output_token.observe(
-                (now - job.first_token_s) / (job.num_tokens - 1))
+            self.metrics.time_per_output_token.observe((now - job.first_token_s) / (job.num_tokens - 1))
 
     # --- one attempt ----------------------------------------------------------------------------
     async def _attempt(self, job: PDJob, excluded: set[str]) -> None:
-        body = {"request_id": f"{job.request_id}-a{job.attempt}",
-                "prompt_token_ids": job.token_ids, "sampling": job.sampling}
+        body = {
+            "request_id": f"{job.request_id}-a{job.attempt}",
+            "prompt_token_ids": job.token_ids,
+            "sampling": job.sampling,
+        }
         decode, response, lines, reservation = await self._reserve(body, excluded)
         ce = decode.engine
         prefill = self.prefill_lb.pick(job.token_ids, exclude=excluded)
@@ -123,12 +137,13 @@ class PDDriver:
         tasks = []
         try:
             if prefill is None:
-                raise APIError(503, "no prefill engine is available", type="server_error",
-                               code="no_prefill_engine")
+                raise APIError(503, "no prefill engine is available", type="server_error", code="no_prefill_engine")
             self.metrics.routed.labels(engine=ce.url, role=ce.role).inc()
             self.metrics.routed.labels(engine=prefill.engine.url, role="prefill").inc()
-            tasks = [asyncio.ensure_future(self._read(lines, events)),
-                     asyncio.ensure_future(self._prefill(prefill, body, reservation, events))]
+            tasks = [
+                asyncio.ensure_future(self._read(lines, events)),
+                asyncio.ensure_future(self._prefill(prefill, body, reservation, events)),
+            ]
             await self._relay(job, ce, decode, events)
         finally:
             for task in tasks:
@@ -145,8 +160,7 @@ class PDDriver:
         while True:
             candidates = self.decode_lb.candidates(excluded)
             if not candidates:
-                raise APIError(503, "no completion engine is available", type="server_error",
-                               code="no_decode_engine")
+                raise APIError(503, "no completion engine is available", type="server_error", code="no_decode_engine")
             for ce in candidates:
                 decode = self.decode_lb.assign(ce, len(body["prompt_token_ids"]))
                 reserved = None
@@ -158,14 +172,18 @@ class PDDriver:
                 if reserved is not None:
                     return (decode, *reserved)
             if time.monotonic() > deadline:
-                raise APIError(503, f"every completion engine stayed full for "
-                                    f"{self.queue_timeout_s:.0f} s; retry later",
-                               type="server_overloaded", code="overloaded")
+                raise APIError(
+                    503,
+                    f"every completion engine stayed full for {self.queue_timeout_s:.0f} s; retry later",
+                    type="server_overloaded",
+                    code="overloaded",
+                )
             await asyncio.sleep(_NO_ROOM_BACKOFF_S)
 
     async def _try_reserve(self, ce: Engine, body: dict, excluded: set[str]):
-        request = self.client.build_request("POST", f"{ce.url}/pd/decode", json=body,
-                                            timeout=httpx.Timeout(self.engine_timeout_s, connect=5))
+        request = self.client.build_request(
+            "POST", f"{ce.url}/pd/decode", json=body, timeout=httpx.Timeout(self.engine_timeout_s, connect=5)
+        )
         try:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
@@ -202,17 +220,22 @@ class PDDriver:
         except (httpx.HTTPError, ValueError) as exc:
             events.put_nowait(("ce_failed", f"its stream broke ({type(exc).__name__})"))
 
-    async def _prefill(self, prefill: Assignment, body: dict, reservation: dict,
-                       events: asyncio.Queue) -> None:
+    async def _prefill(self, prefill: Assignment, body: dict, reservation: dict, events: asyncio.Queue) -> None:
         pe, start = prefill.engine, time.monotonic()
         try:
-            resp = await self.client.post(f"{pe.url}/pd/prefill",
-                                          json={**body, "reservation": reservation},
-                                          timeout=httpx.Timeout(self.engine_timeout_s, connect=5))
+            resp = await self.client.post(
+                f"{pe.url}/pd/prefill",
+                json={**body, "reservation": reservation},
+                timeout=httpx.Timeout(self.engine_timeout_s, connect=5),
+            )
         except httpx.HTTPError as exc:
             self.pool.eject(pe, f"/pd/prefill failed ({type(exc).__name__})")
-            events.put_nowait(("prefill_failed", Retry(
-                "prefill_engine_failed", f"the prefill engine {pe.url} failed: {exc!r}", pe.url)))
+            events.put_nowait(
+                (
+                    "prefill_failed",
+                    Retry("prefill_engine_failed", f"the prefill engine {pe.url} failed: {exc!r}", pe.url),
+                )
+            )
             return
         finally:
             prefill.release()
@@ -226,11 +249,9 @@ class PDDriver:
         # 502/504: the hand-off failed (a CE that went away is ejected by its own stream or
         # the health checks), so any pair may try again.
         exclude = pe.url if resp.status_code < 500 or resp.status_code == 503 else None
-        events.put_nowait(("prefill_failed", Retry(
-            "handoff_failed", f"prefill on {pe.url}: {error}", exclude)))
+        events.put_nowait(("prefill_failed", Retry("handoff_failed", f"prefill on {pe.url}: {error}", exclude)))
 
-    async def _relay(self, job: PDJob, ce: Engine, decode: Assignment,
-                     events: asyncio.Queue) -> None:
+    async def _relay(self, job: PDJob, ce: Engine, decode: Assignment, events: asyncio.Queue) -> None:
         while True:
             kind, item = await events.get()
             if kind == "prefilled" or (kind == "prefill_failed" and job.streamed):
@@ -240,11 +261,13 @@ class PDDriver:
             if kind == "ce_failed":
                 self.pool.eject(ce, str(item))
                 if not job.streamed:
-                    raise Retry("decode_engine_failed", f"the completion engine {ce.url}: {item}",
-                                ce.url)
-                raise APIError(502, f"the completion engine {ce.url} failed after the first "
-                                    f"tokens were streamed: {item}", type="server_error",
-                               code="engine_failed")
+                    raise Retry("decode_engine_failed", f"the completion engine {ce.url}: {item}", ce.url)
+                raise APIError(
+                    502,
+                    f"the completion engine {ce.url} failed after the first tokens were streamed: {item}",
+                    type="server_error",
+                    code="engine_failed",
+                )
             if self._on_event(job, decode, item):
                 return
 
@@ -267,6 +290,7 @@ class PDDriver:
         if outputs:
             job.deliver(outputs)
         if error:
-            raise APIError(503, f"the engine could not finish the request: {error}",
-                           type="server_error", code="engine_error")
+            raise APIError(
+                503, f"the engine could not finish the request: {error}", type="server_error", code="engine_error"
+            )
         return bool(event.get("finished"))

@@ -38,32 +38,43 @@ class RouterMetrics(RequestLatencyMetrics):
         self.handoff_latency = Histogram(
             PREFIX + "router_handoff_latency_seconds",
             "Time from the prefill POST to its 200 (prefill + K/V hand-off confirmed).",
-            buckets=_HANDOFF_BUCKETS_S, registry=r)
-        self.errors = Counter(PREFIX + "request_errors", "HTTP requests answered with an error, "
-                                                         "by kind.", ["kind"], registry=r)
-        self.retries = Counter(PREFIX + "router_retries", "Attempts retried on other engines, by "
-                                                          "reason.", ["reason"], registry=r)
-        self.ejections = Counter(PREFIX + "router_ejections", "Engines ejected from rotation.",
-                                 ["engine", "role"], registry=r)
-        self.readmissions = Counter(PREFIX + "router_readmissions",
-                                    "Engines (re-)admitted into rotation.", ["engine", "role"],
-                                    registry=r)
-        self.routed = Counter(PREFIX + "router_requests_routed", "Engine requests sent, by "
-                                                                 "engine.", ["engine", "role"],
-                              registry=r)
-        self.in_flight = Gauge(PREFIX + "router_engine_in_flight", "Requests in flight, per "
-                                                                    "engine.", ["engine", "role"],
-                               registry=r)
-        self.kv_tokens = Gauge(PREFIX + "router_engine_kv_tokens", "Prompt + generated tokens of "
-                                                                   "the requests on a CE.",
-                               ["engine"], registry=r)
-        self.queued_tokens = Gauge(PREFIX + "router_engine_queued_prompt_tokens",
-                                   "Uncached prompt tokens waiting for prefill on a PE.",
-                                   ["engine"], registry=r)
-        self.healthy = Gauge(PREFIX + "router_engine_healthy", "1 while the engine is in rotation.",
-                             ["engine", "role"], registry=r)
-        info = Gauge(PREFIX + "engine_info", "Constant 1, labelled with the identity.",
-                     ["model", "role"], registry=r)
+            buckets=_HANDOFF_BUCKETS_S,
+            registry=r,
+        )
+        self.errors = Counter(
+            PREFIX + "request_errors", "HTTP requests answered with an error, by kind.", ["kind"], registry=r
+        )
+        self.retries = Counter(
+            PREFIX + "router_retries", "Attempts retried on other engines, by reason.", ["reason"], registry=r
+        )
+        self.ejections = Counter(
+            PREFIX + "router_ejections", "Engines ejected from rotation.", ["engine", "role"], registry=r
+        )
+        self.readmissions = Counter(
+            PREFIX + "router_readmissions", "Engines (re-)admitted into rotation.", ["engine", "role"], registry=r
+        )
+        self.routed = Counter(
+            PREFIX + "router_requests_routed", "Engine requests sent, by engine.", ["engine", "role"], registry=r
+        )
+        self.in_flight = Gauge(
+            PREFIX + "router_engine_in_flight", "Requests in flight, per engine.", ["engine", "role"], registry=r
+        )
+        self.kv_tokens = Gauge(
+            PREFIX + "router_engine_kv_tokens",
+            "Prompt + generated tokens of the requests on a CE.",
+            ["engine"],
+            registry=r,
+        )
+        self.queued_tokens = Gauge(
+            PREFIX + "router_engine_queued_prompt_tokens",
+            "Uncached prompt tokens waiting for prefill on a PE.",
+            ["engine"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            PREFIX + "router_engine_healthy", "1 while the engine is in rotation.", ["engine", "role"], registry=r
+        )
+        info = Gauge(PREFIX + "engine_info", "Constant 1, labelled with the identity.", ["model", "role"], registry=r)
         info.labels(model=model_name, role="router").set(1)
 
     def render(self, engines: list[Engine]) -> tuple[bytes, str]:
@@ -78,8 +89,9 @@ class RouterMetrics(RequestLatencyMetrics):
 
 
 class EnginePool:
-    def __init__(self, engines: list[Engine], client: httpx.AsyncClient, metrics: RouterMetrics,
-                 interval_s: float = 1.0):
+    def __init__(
+        self, engines: list[Engine], client: httpx.AsyncClient, metrics: RouterMetrics, interval_s: float = 1.0
+    ):
         self.engines = engines
         self.client = client
         self.metrics = metrics
@@ -135,16 +147,13 @@ class EnginePool:
 
     async def _admit(self, engine: Engine) -> None:
         try:
-            cards = (await self.client.get(f"{engine.url}/v1/models",
-                                           timeout=_HEALTH_TIMEOUT_S)).json()["data"]
+            cards = (await self.client.get(f"{engine.url}/v1/models", timeout=_HEALTH_TIMEOUT_S)).json()["data"]
             engine.max_model_len = cards[0].get("max_model_len")
             if engine.prefix is not None:  # its prefix cache cannot outgrow its KV blocks
-                kv = (await self.client.get(f"{engine.url}/debug/kv",
-                                            timeout=_HEALTH_TIMEOUT_S)).json()
+                kv = (await self.client.get(f"{engine.url}/debug/kv", timeout=_HEALTH_TIMEOUT_S)).json()
                 engine.prefix.resize(int(kv["total_blocks"]))
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-            logger.warning("router: %s answers /health but not /v1/models or /debug/kv: %s",
-                           engine.url, exc)
+            logger.warning("router: %s answers /health but not /v1/models or /debug/kv: %s", engine.url, exc)
             return
         engine.healthy = True
         self.metrics.readmissions.labels(engine=engine.url, role=engine.role).inc()

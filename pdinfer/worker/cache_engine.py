@@ -71,8 +71,9 @@ class CacheEngine:
         return tuple(self.kv.shape[1:])
 
     # --- pinned-host staging for the KV hand-off (asynchronous on CUDA) -------------------------
-    def read_blocks_async(self, block_ids: list[int],
-                          out: torch.Tensor | None = None) -> tuple[torch.Tensor, CopyEvent]:
+    def read_blocks_async(
+        self, block_ids: list[int], out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, CopyEvent]:
         """Copy blocks to host memory without blocking: ``(host [n, *block_shape], event)``.
 
         On CUDA the host tensor is pinned and filled on a side stream that first waits for the
@@ -84,8 +85,11 @@ class CacheEngine:
         """
         if self.device.type != "cuda":
             return self.read_blocks(block_ids), CopyEvent(None)
-        host = out[: len(block_ids)] if out is not None else torch.empty(
-            (len(block_ids), *self.block_shape), dtype=self.dtype, pin_memory=True)
+        host = (
+            out[: len(block_ids)]
+            if out is not None
+            else torch.empty((len(block_ids), *self.block_shape), dtype=self.dtype, pin_memory=True)
+        )
         stream = self._copy_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -25,8 +25,7 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, cache: CacheEngine, max_batch: int, max_blocks: int,
-                 num_sms: int):
+    def __init__(self, model: torch.nn.Module, cache: CacheEngine, max_batch: int, max_blocks: int, num_sms: int):
         self.model = model
         self.cache = cache
         self.num_sms = num_sms
@@ -54,8 +53,14 @@ class CudaGraphRunner:
         return next(x for x in self.buckets if x >= b)
 
     def _meta(self, b: int) -> GpuAttentionMetadata:
-        return GpuAttentionMetadata(True, self.slots[:b], self.block_tables[:b], self.context_lens[:b],
-                                    num_splits=self.num_splits(b), num_tokens=b)
+        return GpuAttentionMetadata(
+            True,
+            self.slots[:b],
+            self.block_tables[:b],
+            self.context_lens[:b],
+            num_splits=self.num_splits(b),
+            num_tokens=b,
+        )
 
     def _forward(self, b: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.cache.kv, self._meta(b))
@@ -76,8 +81,13 @@ class CudaGraphRunner:
                 self._graphs[b] = (graph, logits)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (batch %d..%d) in %.1f s", len(self._graphs),
-                    self.buckets[0], self.buckets[-1], time.perf_counter() - start)
+        logger.info(
+            "captured %d CUDA graphs (batch %d..%d) in %.1f s",
+            len(self._graphs),
+            self.buckets[0],
+            self.buckets[-1],
+            time.perf_counter() - start,
+        )
 
     def run(self, step: GpuStep, fill_pending) -> torch.Tensor:
         """Copy the step into the static buffers, fill pending tokens, replay; logits [B, V]."""

@@ -81,8 +81,7 @@ def _floats(t: torch.Tensor) -> torch.Tensor:
 
 
 class GpuInputBuilder:
-    def __init__(self, block_size: int, vocab_size: int, num_kv_heads: int, device: torch.device,
-                 num_sms: int = 132):
+    def __init__(self, block_size: int, vocab_size: int, num_kv_heads: int, device: torch.device, num_sms: int = 132):
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.num_kv_heads = num_kv_heads
@@ -112,8 +111,7 @@ class GpuInputBuilder:
         slots[:t] = tables[seq_of_token, pos[:t] // bs] * bs + pos[:t] % bs
         ctx_pad = np.zeros(rows_pad, dtype=np.int64)
         ctx_pad[:num_seqs] = ctx
-        i_ids, i_pos, i_slots, i_bt, i_ctx = (p.add(ids), p.add(pos), p.add(slots), p.add(tables),
-                                              p.add(ctx_pad))
+        i_ids, i_pos, i_slots, i_bt, i_ctx = (p.add(ids), p.add(pos), p.add(slots), p.add(tables), p.add(ctx_pad))
         prefill = None if is_decode else _pack_prefill_tiles(p, qlens)
 
         sample_rows = [s.row for s in inp.samples]
@@ -125,18 +123,29 @@ class GpuInputBuilder:
 
         dev = p.ship(self.device)
         if is_decode:
-            splits = num_splits or decode_num_splits(num_seqs, self.num_kv_heads,
-                                                     int(ctx.max()), self.num_sms)
-            meta = GpuAttentionMetadata(True, dev[i_slots], dev[i_bt], dev[i_ctx],
-                                        num_splits=splits, num_tokens=padded)
+            splits = num_splits or decode_num_splits(num_seqs, self.num_kv_heads, int(ctx.max()), self.num_sms)
+            meta = GpuAttentionMetadata(True, dev[i_slots], dev[i_bt], dev[i_ctx], num_splits=splits, num_tokens=padded)
         else:
             i_qs, i_ws, i_wt, num_work = prefill
-            meta = GpuAttentionMetadata(False, dev[i_slots], dev[i_bt], dev[i_ctx],
-                                        query_start=dev[i_qs], work_seq=dev[i_ws],
-                                        work_tile=dev[i_wt], num_work=num_work, num_tokens=t)
+            meta = GpuAttentionMetadata(
+                False,
+                dev[i_slots],
+                dev[i_bt],
+                dev[i_ctx],
+                query_start=dev[i_qs],
+                work_seq=dev[i_ws],
+                work_tile=dev[i_wt],
+                num_work=num_work,
+                num_tokens=t,
+            )
         step = GpuStep(
-            batch=t, padded=padded, input_ids=dev[i_ids], positions=dev[i_pos], meta=meta,
-            sample_rows=None if i_rows is None else dev[i_rows], num_samples=len(sample_rows),
+            batch=t,
+            padded=padded,
+            input_ids=dev[i_ids],
+            positions=dev[i_pos],
+            meta=meta,
+            sample_rows=None if i_rows is None else dev[i_rows],
+            num_samples=len(sample_rows),
             sampling=self._sampling_tensors(dev, i_sampling, inp),
             pending=[(sid, dev[a], dev[b]) for sid, a, b in i_pending],
             pending_penalty=self._pending_penalty(inp),
@@ -184,14 +193,27 @@ class GpuInputBuilder:
         max_logprobs = max(requested) if requested else -1
         if not idx:  # greedy without penalties: the sampler reads only the flags
             empty = torch.zeros(len(samples), dtype=torch.int64, device=self.device) if not dev else dev[0][:0]
-            return SamplingTensors(empty, empty, empty, empty, empty, empty, all_greedy=True,
-                                   any_top_k=False, any_top_p=False, any_min_p=False,
-                                   max_logprobs=max_logprobs)
+            return SamplingTensors(
+                empty,
+                empty,
+                empty,
+                empty,
+                empty,
+                empty,
+                all_greedy=True,
+                any_top_k=False,
+                any_top_p=False,
+                any_min_p=False,
+                max_logprobs=max_logprobs,
+            )
         vocab = self.vocab_size
         t = SamplingTensors(
-            temperatures=_floats(dev[idx["temperatures"]]), top_k=dev[idx["top_k"]],
-            top_p=_floats(dev[idx["top_p"]]), min_p=_floats(dev[idx["min_p"]]),
-            seeds=dev[idx["seeds"]], positions=dev[idx["positions"]],
+            temperatures=_floats(dev[idx["temperatures"]]),
+            top_k=dev[idx["top_k"]],
+            top_p=_floats(dev[idx["top_p"]]),
+            min_p=_floats(dev[idx["min_p"]]),
+            seeds=dev[idx["seeds"]],
+            positions=dev[idx["positions"]],
             all_greedy=all(s.temperature == 0 for s in samples),
             any_top_k=any(0 < s.top_k < vocab for s in samples),
             any_top_p=any(s.top_p < 1.0 for s in samples),

@@ -56,9 +56,13 @@ class PendingStepResult:
         if self.event is not None:
             self.event.synchronize()  # releases the GIL while the device finishes
         lists = {name: t.tolist() for name, t in self.host.items()}
-        return StepResult(step_id=self.step_id, token_ids=lists.get("token_ids", []),
-                          logprobs=lists.get("logprobs"), top_ids=lists.get("top_ids"),
-                          top_logprobs=lists.get("top_logprobs"))
+        return StepResult(
+            step_id=self.step_id,
+            token_ids=lists.get("token_ids", []),
+            logprobs=lists.get("logprobs"),
+            top_ids=lists.get("top_ids"),
+            top_logprobs=lists.get("top_logprobs"),
+        )
 
 
 class DeviceStepFuture:
@@ -96,8 +100,9 @@ class GpuStepRunner:
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
     def init_cache(self, cache: CacheEngine) -> None:
-        self.builder = GpuInputBuilder(cache.block_size, self.spec.vocab_size,
-                                       self.spec.num_kv_heads, self.device, self.num_sms)
+        self.builder = GpuInputBuilder(
+            cache.block_size, self.spec.vocab_size, self.spec.num_kv_heads, self.device, self.num_sms
+        )
 
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         from pdinfer.worker.cuda_graph import CudaGraphRunner
@@ -173,8 +178,9 @@ class GpuStepRunner:
 
     # --- KV capacity -------------------------------------------------------------------------
     @torch.inference_mode()
-    def profile_num_blocks(self, block_size: int, num_tokens: int, num_rows: int, decode: bool,
-                           gpu_memory_utilization: float) -> int:
+    def profile_num_blocks(
+        self, block_size: int, num_tokens: int, num_rows: int, decode: bool, gpu_memory_utilization: float
+    ) -> int:
         """KV blocks that fit in ``gpu_memory_utilization`` of the device next to the real peak
         of this role's largest step, measured by running it (``max_memory_allocated``)."""
         spec = self.spec
@@ -203,8 +209,14 @@ class GpuStepRunner:
         budget = free - (1.0 - gpu_memory_utilization) * total - peak - graph_reserve
         per_block = block_bytes(spec, block_size, self.runner.dtype)
         num_blocks = int(budget // per_block)
-        logger.info("profile (%s, %d tokens): activation peak %.0f MiB, free %.1f GiB -> %d KV blocks",
-                    "decode" if decode else "prefill", num_tokens, peak / 2**20, free / 2**30, num_blocks)
+        logger.info(
+            "profile (%s, %d tokens): activation peak %.0f MiB, free %.1f GiB -> %d KV blocks",
+            "decode" if decode else "prefill",
+            num_tokens,
+            peak / 2**20,
+            free / 2**30,
+            num_blocks,
+        )
         if num_blocks < 1:
             raise ValueError(
                 f"no room for the KV cache: {free / 2**30:.1f} GiB free, the role's peak step needs "
@@ -227,7 +239,17 @@ def _profile_input(seqs: int, num_tokens: int, num_rows: int, blocks_per_seq: in
         positions = list(range(num_tokens))
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(seqs)]
     rows = list(range(num_rows)) if decode else [num_tokens - 1] * num_rows
-    samples = [SampleSpec(row=r, temperature=1.0, top_k=0, top_p=0.9, min_p=0.0, seed=i, position=0)
-               for i, r in enumerate(rows)]
-    return StepInput(step_id=-1, is_prompt=not decode, input_ids=[0] * num_tokens, positions=positions,
-                     query_lens=qlens, context_lens=ctx, block_tables=tables, samples=samples)
+    samples = [
+        SampleSpec(row=r, temperature=1.0, top_k=0, top_p=0.9, min_p=0.0, seed=i, position=0)
+        for i, r in enumerate(rows)
+    ]
+    return StepInput(
+        step_id=-1,
+        is_prompt=not decode,
+        input_ids=[0] * num_tokens,
+        positions=positions,
+        query_lens=qlens,
+        context_lens=ctx,
+        block_tables=tables,
+        samples=samples,
+    )

@@ -24,8 +24,7 @@ DECODE_GROUP_MIN_FILL = 0.6
 DECODE_GROUP_MAX_BYTES = 16 << 20
 
 
-def build_attention_metadata(inp: StepInput, kv_cache: torch.Tensor,
-                             native_kernels=None) -> AttentionMetadata:
+def build_attention_metadata(inp: StepInput, kv_cache: torch.Tensor, native_kernels=None) -> AttentionMetadata:
     """Metadata of the torch backend for the cache ``[blocks, layers, 2, block_size, KVH, D]``;
     attention runs in ``native_kernels`` (``cpu_kernels.load()``) when given."""
     _, num_layers, _, block_size, kv_heads, head_dim = kv_cache.shape
@@ -59,16 +58,14 @@ def build_attention_metadata(inp: StepInput, kv_cache: torch.Tensor,
         if len(groups) == 1:  # one group: keep the step's row order, no gather of queries
             groups = [list(range(len(inp.context_lens)))]
         meta.decode_groups = [
-            _decode_group(inp, g, block_size, rows_per_block, kv_cache, ordered=len(groups) == 1)
-            for g in groups
+            _decode_group(inp, g, block_size, rows_per_block, kv_cache, ordered=len(groups) == 1) for g in groups
         ]
     return meta
 
 
 def _native_input(inp: StepInput, block_size: int, kv_cache: torch.Tensor, kernel) -> NativeKernelInput:
     max_blocks = -(-max(inp.context_lens) // block_size)
-    tables = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks]))
-              for table in inp.block_tables]
+    tables = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in inp.block_tables]
     device = kv_cache.device
     native = NativeKernelInput(
         kernel=kernel,
@@ -88,8 +85,7 @@ def _decode_groups(context_lens: list[int], max_tokens: int) -> list[list[int]]:
     groups, current = [], []
     for i in order:
         longest = context_lens[current[0]] if current else 0
-        if current and (context_lens[i] < DECODE_GROUP_MIN_FILL * longest
-                        or (len(current) + 1) * longest > max_tokens):
+        if current and (context_lens[i] < DECODE_GROUP_MIN_FILL * longest or (len(current) + 1) * longest > max_tokens):
             groups.append(current)
             current = []
         current.append(i)
@@ -98,8 +94,9 @@ def _decode_groups(context_lens: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-def _decode_group(inp: StepInput, rows: list[int], block_size: int, rows_per_block: int,
-                  kv_cache: torch.Tensor, ordered: bool) -> DecodeGroup:
+def _decode_group(
+    inp: StepInput, rows: list[int], block_size: int, rows_per_block: int, kv_cache: torch.Tensor, ordered: bool
+) -> DecodeGroup:
     device, dtype = kv_cache.device, kv_cache.dtype
     lengths = [inp.context_lens[r] for r in rows]
     longest = max(lengths)
@@ -118,7 +115,10 @@ def _decode_group(inp: StepInput, rows: list[int], block_size: int, rows_per_blo
         mask.masked_fill_(positions[None, None, :] >= ends[:, None, None], float("-inf"))
     return DecodeGroup(
         rows=None if ordered else torch.tensor(rows, dtype=torch.int64, device=device),
-        kv_rows=kv_rows, mask=mask, num_seqs=len(rows), context_len=longest,
+        kv_rows=kv_rows,
+        mask=mask,
+        num_seqs=len(rows),
+        context_len=longest,
     )
 
 

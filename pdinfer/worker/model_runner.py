@@ -35,8 +35,16 @@ PREFILL_SUBBATCH_TOKENS = 2048
 
 
 class ModelRunner:
-    def __init__(self, spec: ModelSpec, folder: str, load_format: str, dtype: torch.dtype,
-                 device: torch.device, engine_type: EngineType, seed: int = 0):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        folder: str,
+        load_format: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        engine_type: EngineType,
+        seed: int = 0,
+    ):
         self.spec = spec
         self.dtype = dtype
         self.device = device
@@ -48,8 +56,12 @@ class ModelRunner:
             # which also read a GGUF model's quantized blocks in small decode steps (float32 only:
             # a bfloat16 model runs every linear through oneDNN's bf16 GEMM).
             self.native_kernels = cpu_kernels.load(env.get("PDINFER_CACHE_DIR"))
-            use_blocks = (self.native_kernels is not None and load_format != "dummy"
-                          and dtype == torch.float32 and env.get("PDINFER_CPU_QUANT_GEMM"))
+            use_blocks = (
+                self.native_kernels is not None
+                and load_format != "dummy"
+                and dtype == torch.float32
+                and env.get("PDINFER_CPU_QUANT_GEMM")
+            )
             pack_linears(self.model, self.native_kernels, load_quantized_blocks(folder) if use_blocks else None)
             if env.get("PDINFER_CPU_DECODE_STACK") and hasattr(self.model, "decode_stack"):
                 self.model.decode_stack = DecodeStack.build(self.model, self.native_kernels)
@@ -66,9 +78,15 @@ class ModelRunner:
             self.gpu = GpuStepRunner(self)
 
     # --- KV capacity ---------------------------------------------------------------------------
-    def profile_num_blocks(self, memory_bytes: int, block_size: int, max_num_batched_tokens: int,
-                           max_num_seqs: int, num_draft_tokens: int,
-                           gpu_memory_utilization: float = 0.9) -> int:
+    def profile_num_blocks(
+        self,
+        memory_bytes: int,
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        num_draft_tokens: int,
+        gpu_memory_utilization: float = 0.9,
+    ) -> int:
         """KV blocks that fit next to the peak activations of this role's largest step.
 
         PROMPT/NORMAL engines size for a full prefill step, COMPLETION engines for a decode
@@ -150,8 +168,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.cache.kv, meta, keep_rows=rows)
         return self.model.compute_logits(hidden)
 
-    def _prefill_in_subbatches(self, inp: StepInput, input_ids: torch.Tensor,
-                               positions: torch.Tensor) -> torch.Tensor:
+    def _prefill_in_subbatches(self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """A large prefill step as several forwards over whole sequences (same results)."""
         parts, order = [], []
         for sub, lo, sample_ids in _prefill_subbatches(inp, PREFILL_SUBBATCH_TOKENS):
@@ -194,12 +211,20 @@ def _prefill_subbatches(inp: StepInput, max_tokens: int):
     for first, end in bounds:
         num_rows = sum(inp.query_lens[first:end])
         picked = [i for i, s in enumerate(inp.samples) if row <= s.row < row + num_rows]
-        yield StepInput(
-            step_id=inp.step_id, is_prompt=True, input_ids=inp.input_ids[row:row + num_rows],
-            positions=inp.positions[row:row + num_rows], query_lens=inp.query_lens[first:end],
-            context_lens=inp.context_lens[first:end], block_tables=inp.block_tables[first:end],
-            samples=[replace(inp.samples[i], row=inp.samples[i].row - row) for i in picked],
-        ), row, picked
+        yield (
+            StepInput(
+                step_id=inp.step_id,
+                is_prompt=True,
+                input_ids=inp.input_ids[row : row + num_rows],
+                positions=inp.positions[row : row + num_rows],
+                query_lens=inp.query_lens[first:end],
+                context_lens=inp.context_lens[first:end],
+                block_tables=inp.block_tables[first:end],
+                samples=[replace(inp.samples[i], row=inp.samples[i].row - row) for i in picked],
+            ),
+            row,
+            picked,
+        )
         row += num_rows
 
 
@@ -262,8 +287,13 @@ class StepExecutor:
         self.runner = runner
         self.overlap = overlap
         self.forward_on_caller = overlap and runner.gpu is None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdinfer-step", initializer=_bind_device,
-                                        initargs=(runner.device,)) if overlap else None
+        self._pool = (
+            ThreadPoolExecutor(
+                1, thread_name_prefix="pdinfer-step", initializer=_bind_device, initargs=(runner.device,)
+            )
+            if overlap
+            else None
+        )
         self._lock = threading.Lock()
         self._last: _CallerStep | None = None
 

@@ -47,11 +47,20 @@ class TorchPagedAttention:
         if (native := meta.native) is not None:
             cpu_kernels.write_kv(native.kernel, layer_cache, meta.slot_rows, k, v)
             if meta.is_prompt:
-                return cpu_kernels.prefill_attention(native.kernel, q, layer_cache, native.block_tables,
-                                                     native.query_starts, native.query_lens,
-                                                     native.context_lens, native.kv_strides, self.scale)
-            return cpu_kernels.paged_decode(native.kernel, q, layer_cache, native.block_tables,
-                                            native.context_lens, native.kv_strides, self.scale)
+                return cpu_kernels.prefill_attention(
+                    native.kernel,
+                    q,
+                    layer_cache,
+                    native.block_tables,
+                    native.query_starts,
+                    native.query_lens,
+                    native.context_lens,
+                    native.kv_strides,
+                    self.scale,
+                )
+            return cpu_kernels.paged_decode(
+                native.kernel, q, layer_cache, native.block_tables, native.context_lens, native.kv_strides, self.scale
+            )
         tokens = _row_view(layer_cache, self.num_kv_heads * self.head_dim)
         tokens.index_copy_(0, meta.slot_rows, k.reshape(k.shape[0], -1))
         tokens.index_copy_(0, meta.slot_rows + meta.block_size, v.reshape(v.shape[0], -1))
@@ -67,8 +76,7 @@ class TorchPagedAttention:
             return self._decode(q, blocks, groups[0], meta.block_size)
         out = torch.empty_like(q)
         for group in groups:
-            out.index_copy_(0, group.rows, self._decode(q.index_select(0, group.rows), blocks, group,
-                                                        meta.block_size))
+            out.index_copy_(0, group.rows, self._decode(q.index_select(0, group.rows), blocks, group, meta.block_size))
         return out
 
     def _prefill(self, q, k, v, layer_cache, seq: PrefillSeq, block_size: int) -> torch.Tensor:
@@ -98,14 +106,12 @@ class TorchPagedAttention:
             length = group.context_len
             ks = kv[:, 0, :length].view(1, length, kvh, d).transpose(1, 2)
             vs = kv[:, 1, :length].view(1, length, kvh, d).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q.view(1, -1, 1, d), ks, vs, scale=self.scale,
-                                                 enable_gqa=g > 1)
+            out = F.scaled_dot_product_attention(q.view(1, -1, 1, d), ks, vs, scale=self.scale, enable_gqa=g > 1)
             return out.view(1, -1, d)
         # Query head (h, j) only sees KV head h: put it on the block diagonal of [H, KVH*D].
         q_wide = q.new_zeros(b, kvh, g, kvh, d)
         q_wide.diagonal(dim1=1, dim2=3).copy_(q.view(b, kvh, g, d).permute(0, 2, 3, 1))
-        scores = torch.baddbmm(group.mask, q_wide.view(b, kvh * g, kvh * d), kv[:, 0].transpose(1, 2),
-                               alpha=self.scale)
+        scores = torch.baddbmm(group.mask, q_wide.view(b, kvh * g, kvh * d), kv[:, 0].transpose(1, 2), alpha=self.scale)
         probs = torch.softmax(scores, dim=-1)
         out_wide = torch.bmm(probs, kv[:, 1]).view(b, kvh, g, kvh, d)
         return out_wide.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(b, kvh * g, d)

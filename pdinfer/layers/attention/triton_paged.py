@@ -50,8 +50,7 @@ DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 PREFILL_CONFIG = {"block_n": 128, "num_warps": 8, "num_stages": 2}
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_context: int | None = None,
-                      num_sms: int = 132) -> int:
+def decode_num_splits(batch: int, num_kv_heads: int, max_context: int | None = None, num_sms: int = 132) -> int:
     """Splits per sequence so that a decode launch has about two programs per multiprocessor
     (measured on the H200, batch 64 x 8 KV heads: one split 45 us, two 50 us, four 53 us).
 
@@ -68,10 +67,25 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int | None = N
 if HAS_TRITON:
 
     @triton.jit
-    def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
-                         stride_vh, stride_cb, stride_ckv, stride_ct, stride_ch, num_kv_heads,
-                         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         HEADS_PAD: tl.constexpr):
+    def _write_kv_kernel(
+        k_ptr,
+        v_ptr,
+        cache_ptr,
+        slot_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cb,
+        stride_ckv,
+        stride_ct,
+        stride_ch,
+        num_kv_heads,
+        BLOCK_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        HEADS_PAD: tl.constexpr,
+    ):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
@@ -88,12 +102,33 @@ if HAS_TRITON:
             tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _decode_kernel(q_ptr, cache_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                       stride_qt, stride_qh, stride_cb, stride_ckv, stride_ct, stride_ch,
-                       stride_bt, stride_ot, stride_oh, qk_scale,
-                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    def _decode_kernel(
+        q_ptr,
+        cache_ptr,
+        bt_ptr,
+        ctx_ptr,
+        out_ptr,
+        part_acc_ptr,
+        part_ml_ptr,
+        stride_qt,
+        stride_qh,
+        stride_cb,
+        stride_ckv,
+        stride_ct,
+        stride_ch,
+        stride_bt,
+        stride_ot,
+        stride_oh,
+        qk_scale,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -109,8 +144,11 @@ if HAS_TRITON:
         gmask = g < GROUP
         dmask = d < HEAD_DIM
         b64 = b.to(tl.int64)
-        q = tl.load(q_ptr + b64 * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=gmask[:, None] & dmask[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + b64 * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=gmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -134,8 +172,11 @@ if HAS_TRITON:
         omask = gmask[:, None] & dmask[None, :]
         if NUM_SPLITS == 1:
             out = acc / tl.maximum(l_i, 1e-30)[:, None]
-            tl.store(out_ptr + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.store(
+                out_ptr + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=omask,
+            )
         else:
             # partials [B, H, NUM_SPLITS, D] and (max, sum) [B, H, NUM_SPLITS, 2], contiguous
             row = (b64 * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
@@ -144,8 +185,17 @@ if HAS_TRITON:
             tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=gmask)
 
     @triton.jit
-    def _decode_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_heads,
-                             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    def _decode_merge_kernel(
+        part_acc_ptr,
+        part_ml_ptr,
+        out_ptr,
+        stride_ot,
+        stride_oh,
+        num_heads,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+    ):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         sp = tl.arange(0, NUM_SPLITS)
@@ -160,13 +210,31 @@ if HAS_TRITON:
         acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + d[None, :])
         num = tl.sum(w[:, None] * acc, axis=0)
         out = num / tl.maximum(den, 1e-30)
-        tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-                 mask=d < HEAD_DIM)
+        tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
     @triton.jit
-    def _prefill_tile(q, acc, m_i, l_i, k_base, v_base, bt_row, lo, hi, q_pos, ctx, d, dmask,
-                      stride_cb, stride_ct, qk_scale, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    def _prefill_tile(
+        q,
+        acc,
+        m_i,
+        l_i,
+        k_base,
+        v_base,
+        bt_row,
+        lo,
+        hi,
+        q_pos,
+        ctx,
+        d,
+        dmask,
+        stride_cb,
+        stride_ct,
+        qk_scale,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        MASKED: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         n = tl.arange(0, BLOCK_N)
         for n0 in range(lo, hi, BLOCK_N):
             pos = n0 + n
@@ -187,12 +255,33 @@ if HAS_TRITON:
         return acc, m_i, l_i
 
     @triton.jit
-    def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, ctx_ptr, qstart_ptr, work_seq_ptr, work_tile_ptr,
-                        out_ptr, stride_qt, stride_qh, stride_cb, stride_ckv, stride_ct, stride_ch,
-                        stride_bt, stride_ot, stride_oh, qk_scale,
-                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PRECISION: tl.constexpr):
+    def _prefill_kernel(
+        q_ptr,
+        cache_ptr,
+        bt_ptr,
+        ctx_ptr,
+        qstart_ptr,
+        work_seq_ptr,
+        work_tile_ptr,
+        out_ptr,
+        stride_qt,
+        stride_qh,
+        stride_cb,
+        stride_ckv,
+        stride_ct,
+        stride_ch,
+        stride_bt,
+        stride_ot,
+        stride_oh,
+        qk_scale,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         w = tl.program_id(0)
         h = tl.program_id(1)
         seq = tl.load(work_seq_ptr + w)
@@ -207,8 +296,11 @@ if HAS_TRITON:
         mmask = m < qlen
         dmask = d < HEAD_DIM
         rows = (q0 + m).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
-                    mask=mmask[:, None] & dmask[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+            mask=mmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
         q_pos = prefix + m
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -220,15 +312,56 @@ if HAS_TRITON:
         first_q = prefix + tile * BLOCK_M
         unmasked_end = (first_q // BLOCK_N) * BLOCK_N
         hi = tl.minimum(ctx, first_q + BLOCK_M)
-        acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_base, v_base, bt_row, 0, unmasked_end,
-                                      q_pos, ctx, d, dmask, stride_cb, stride_ct, qk_scale,
-                                      BLOCK_SIZE, BLOCK_N, False, PRECISION)
-        acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_base, v_base, bt_row, unmasked_end, hi,
-                                      q_pos, ctx, d, dmask, stride_cb, stride_ct, qk_scale,
-                                      BLOCK_SIZE, BLOCK_N, True, PRECISION)
+        acc, m_i, l_i = _prefill_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_base,
+            v_base,
+            bt_row,
+            0,
+            unmasked_end,
+            q_pos,
+            ctx,
+            d,
+            dmask,
+            stride_cb,
+            stride_ct,
+            qk_scale,
+            BLOCK_SIZE,
+            BLOCK_N,
+            False,
+            PRECISION,
+        )
+        acc, m_i, l_i = _prefill_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_base,
+            v_base,
+            bt_row,
+            unmasked_end,
+            hi,
+            q_pos,
+            ctx,
+            d,
+            dmask,
+            stride_cb,
+            stride_ct,
+            qk_scale,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+            PRECISION,
+        )
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+        tl.store(
+            out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mmask[:, None] & dmask[None, :],
+        )
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -242,15 +375,37 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, slot_m
     if t == 0:
         return
     c = layer_cache
-    _write_kv_kernel[(t,)](k, v, c, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           c.stride(0), c.stride(1), c.stride(2), c.stride(3), kvh,
-                           BLOCK_SIZE=c.shape[2], HEAD_DIM=dim, D_PAD=next_pow2(dim),
-                           HEADS_PAD=next_pow2(kvh), num_warps=4)
+    _write_kv_kernel[(t,)](
+        k,
+        v,
+        c,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        c.stride(0),
+        c.stride(1),
+        c.stride(2),
+        c.stride(3),
+        kvh,
+        BLOCK_SIZE=c.shape[2],
+        HEAD_DIM=dim,
+        D_PAD=next_pow2(dim),
+        HEADS_PAD=next_pow2(kvh),
+        num_warps=4,
+    )
 
 
-def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, num_splits: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [B, H, D] (one query per sequence) -> out [B, H, D]."""
     b, h, dim = q.shape
     c = layer_cache
@@ -269,20 +424,57 @@ def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: t
     cfg = DECODE_CONFIG
     block_n = cfg["block_n"] if d_pad <= 128 else 32
     _decode_kernel[(b, kvh, num_splits)](
-        q, c, block_tables, context_lens, out, part_acc, part_ml,
-        q.stride(0), q.stride(1), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
-        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=dim, D_PAD=d_pad,
-        BLOCK_SIZE=c.shape[2], BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q,
+        c,
+        block_tables,
+        context_lens,
+        out,
+        part_acc,
+        part_ml,
+        q.stride(0),
+        q.stride(1),
+        c.stride(0),
+        c.stride(1),
+        c.stride(2),
+        c.stride(3),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale * LOG2E,
+        GROUP=group,
+        GROUP_PAD=max(16, next_pow2(group)),
+        HEAD_DIM=dim,
+        D_PAD=d_pad,
+        BLOCK_SIZE=c.shape[2],
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        PRECISION=_precision(q),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
     if num_splits > 1:
-        _decode_merge_kernel[(b, h)](part_acc, part_ml, out, out.stride(0), out.stride(1), h,
-                                     HEAD_DIM=dim, D_PAD=d_pad, NUM_SPLITS=num_splits, num_warps=4)
+        _decode_merge_kernel[(b, h)](
+            part_acc,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            h,
+            HEAD_DIM=dim,
+            D_PAD=d_pad,
+            NUM_SPLITS=num_splits,
+            num_warps=4,
+        )
     return out
 
 
-def prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: GpuAttentionMetadata,
-                      scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    meta: GpuAttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [T, H, D] of variable-length sequences (see ``GpuAttentionMetadata``) -> out [T, H, D]."""
     t, h, dim = q.shape
     c = layer_cache
@@ -299,11 +491,34 @@ def prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: GpuAtten
     block_n = cfg["block_n"] if q.element_size() <= 2 else 64
     bt = meta.block_tables
     _prefill_kernel[(meta.num_work, h)](
-        q, c, bt, meta.context_lens, meta.query_start, meta.work_seq, meta.work_tile, out,
-        q.stride(0), q.stride(1), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
-        bt.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
-        GROUP=group, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=c.shape[2], BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=block_n, PRECISION=_precision(q), num_warps=warps, num_stages=cfg["num_stages"])
+        q,
+        c,
+        bt,
+        meta.context_lens,
+        meta.query_start,
+        meta.work_seq,
+        meta.work_tile,
+        out,
+        q.stride(0),
+        q.stride(1),
+        c.stride(0),
+        c.stride(1),
+        c.stride(2),
+        c.stride(3),
+        bt.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale * LOG2E,
+        GROUP=group,
+        HEAD_DIM=dim,
+        D_PAD=d_pad,
+        BLOCK_SIZE=c.shape[2],
+        BLOCK_M=PREFILL_BLOCK_M,
+        BLOCK_N=block_n,
+        PRECISION=_precision(q),
+        num_warps=warps,
+        num_stages=cfg["num_stages"],
+    )
     return out
 
 
@@ -316,14 +531,16 @@ class TritonPagedAttention:
         self.head_dim = head_dim
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                meta: GpuAttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, meta: GpuAttentionMetadata
+    ) -> torch.Tensor:
         # New K/V first, so queries read their own chunk (and same-step prefix hits) from the cache.
         write_kv(k, v, layer_cache, meta.slot_mapping)
         out = torch.empty((q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         if meta.is_decode:
-            return decode_attention(q, layer_cache, meta.block_tables, meta.context_lens,
-                                    self.scale, meta.num_splits, out)
+            return decode_attention(
+                q, layer_cache, meta.block_tables, meta.context_lens, self.scale, meta.num_splits, out
+            )
         return prefill_attention(q, layer_cache, meta, self.scale, out)
 
 
@@ -334,5 +551,6 @@ def use_triton_attention(model: torch.nn.Module) -> None:
     for module in model.modules():
         backend = getattr(module, "backend", None)
         if backend is not None and hasattr(backend, "num_kv_heads"):
-            module.backend = TritonPagedAttention(backend.num_heads, backend.num_kv_heads,
-                                                  backend.head_dim, backend.scale)
+            module.backend = TritonPagedAttention(
+                backend.num_heads, backend.num_kv_heads, backend.head_dim, backend.scale
+            )
