@@ -1,24 +1,23 @@
 """The DP front's I/O thread: owns the sockets, the rank processes and the group's generations.
 
-Only this thread touches the ZeroMQ sockets and the launcher (rank processes die with the thread
-that spawned them, so it must be this long-lived one). Callers hand it commands through the
-front's queue and wake it through an inproc socket. Failures found while handling messages are
-recorded and acted on at the end of each round, never re-entrantly.
+Only this thread touches the front's sockets (``front_socket``) and the launcher (rank processes
+die with the thread that spawned them, so it must be this long-lived one). Callers hand it
+commands through the front's queue and wake it through an inproc socket. Failures found while
+handling messages are recorded and acted on at the end of each round, never re-entrantly.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import msgspec
 import zmq
 
 from pdinfer.distributed.dp_group import default_backend, host_store
+from pdinfer.distributed.front_socket import FrontSocket
 from pdinfer.distributed.launcher import RankLauncher, visible_devices
 from pdinfer.distributed.messages import (
     AbortRequest,
@@ -34,8 +33,6 @@ from pdinfer.distributed.messages import (
     StartGeneration,
     StepReport,
     StopRanks,
-    decode_to_front,
-    encode,
     engine_args_to_dict,
 )
 from pdinfer.distributed.replica_lb import ReplicaLoadBalancer
@@ -89,7 +86,7 @@ class GroupSupervisor:
         self._started_s = 0.0
         opts = self.options
         self._store = host_store(opts.master_addr, opts.master_port)
-        self._open_sockets()
+        self.socket = FrontSocket(opts.master_addr, opts.master_port, opts.front_port)
         num_local = opts.num_local_ranks or self.size
         device = front.engine_args.device
         backend = opts.backend
@@ -101,7 +98,7 @@ class GroupSupervisor:
             generation=0,
             master_addr=opts.master_addr,
             master_port=self._store.port,
-            front_address=self.front_address,
+            front_address=self.socket.address,
             engine_args=engine_args_to_dict(front.engine_args),
             parent_pid=0,
             backend=backend,
@@ -112,35 +109,9 @@ class GroupSupervisor:
         )
         self.launcher = RankLauncher(range(num_local), self.template, device)
 
-    def _open_sockets(self) -> None:
-        opts = self.options
-        self._ctx = zmq.Context()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.setsockopt(zmq.SNDHWM, 0)
-        self._router.setsockopt(zmq.LINGER, 0)
-        host = "127.0.0.1" if opts.master_addr in ("127.0.0.1", "localhost") else "*"
-        port = opts.front_port or (opts.master_port + 1 if opts.master_port else 0)
-        if port:
-            self._router.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._router.bind_to_random_port(f"tcp://{host}")
-        self.front_address = f"tcp://{opts.master_addr}:{port}"
-        self._wake_addr = f"inproc://pdinfer-dp-wake-{id(self)}"
-        self._wake_recv = self._ctx.socket(zmq.PULL)
-        self._wake_recv.bind(self._wake_addr)
-        self._wake_send = self._ctx.socket(zmq.PUSH)
-        self._wake_send.connect(self._wake_addr)
-        self._wake_lock = threading.Lock()
-        self._poller = zmq.Poller()
-        self._poller.register(self._router, zmq.POLLIN)
-        self._poller.register(self._wake_recv, zmq.POLLIN)
-
     # --- called from other threads ---------------------------------------------------------------
     def wake(self) -> None:
-        with self._wake_lock:
-            if not self._wake_send.closed:
-                self._wake_send.send(b"", zmq.NOBLOCK)
+        self.socket.wake()
 
     def rank_stats(self) -> list[RankStats]:
         return [r.stats for r in list(self.ranks)]
@@ -162,34 +133,18 @@ class GroupSupervisor:
             self.launcher.kill()
             self._fail_all(self.front.error or EngineDeadError("the DP front was shut down"))
             self.front.ready_event.set()
-            with self._wake_lock:
-                for sock in (self._router, self._wake_recv, self._wake_send):
-                    sock.close(0)
-            self._ctx.term()
+            self.socket.close()
 
     def _round(self) -> None:
-        events = dict(self._poller.poll(POLL_MS))
-        if self._wake_recv in events:
-            while self._wake_recv.poll(0):
-                self._wake_recv.recv()
+        readable = self.socket.poll(POLL_MS)
         with self.front.lock:
-            if self._router in events:
+            if readable:
                 self._read_ranks()
             self._apply_commands()
             self._watch(time.monotonic())
 
     def _read_ranks(self) -> None:
-        while True:
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                identity, payload = frames
-                message = decode_to_front(payload)
-            except (ValueError, msgspec.DecodeError) as exc:  # not from a rank of ours
-                logger.warning("DP front: dropped a malformed message (%s)", exc)
-                continue
+        for identity, message in self.socket.receive():
             if isinstance(message, AgentHello):
                 self._on_agent(identity, message)
                 continue
@@ -231,8 +186,8 @@ class GroupSupervisor:
             if generation == self.generation:
                 self._on_exit(rank, returncode)
         if self.is_ready:
-            for i, rank in enumerate(self.ranks):
-                if now - rank.last_seen_s > self.options.heartbeat_s:
+            for i, state in enumerate(self.ranks):
+                if now - state.last_seen_s > self.options.heartbeat_s:
                     self._fail_soon(f"DP rank {i} sent nothing for {self.options.heartbeat_s:g} s", weak=True)
         elif now - self._started_s > self.options.startup_timeout_s:
             self._fail_soon(f"the DP group did not start within {self.options.startup_timeout_s:g} s")
@@ -295,6 +250,29 @@ class GroupSupervisor:
             return
         tracked.num_delivered += 1
 
+    def _settle_requests(self, reason: str, now: float) -> int:
+        """After a failed generation: queue again (oldest first) the requests that ran on it and
+        streamed nothing, end the others with an error. Returns how many were queued again."""
+        retry = []
+        for tracked in list(self.front.requests.values()):
+            if tracked.rank is None:
+                continue
+            if tracked.num_delivered == 0 and tracked.num_attempts < self.options.max_attempts:
+                tracked.restart()
+                retry.append(tracked)
+                continue
+            why = (
+                "it had streamed output already, so it was not retried"
+                if tracked.num_delivered
+                else f"it failed on {tracked.num_attempts} attempts"
+            )
+            del self.front.requests[tracked.request_id]
+            error = f"the DP group failed while this request ran on rank {tracked.rank} ({reason}); {why}"
+            self._deliver(tracked, tracked.error_output(error, now))
+        retry.sort(key=lambda t: t.arrival_s)
+        self.pending = [t.request_id for t in retry] + self.pending
+        return len(retry)
+
     def _fail_all(self, error: BaseException) -> None:
         with self.front.lock:
             requests = list(self.front.requests.values())
@@ -311,7 +289,7 @@ class GroupSupervisor:
 
     def _send_to(self, identity: bytes, message, rank: int | None = None) -> None:
         try:
-            self._router.send_multipart([identity, encode(message)], zmq.NOBLOCK)
+            self.socket.send(identity, message)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: that peer is gone
             if rank is not None:
                 self._fail_soon(f"DP rank {rank} is unreachable ({exc})", weak=True)
@@ -369,28 +347,7 @@ class GroupSupervisor:
         self.front.ready_event.clear()
         self.lb.reset()
         now = time.monotonic()
-        retry = []
-        for tracked in list(self.front.requests.values()):
-            if tracked.rank is None:
-                continue
-            if tracked.num_delivered == 0 and tracked.num_attempts < self.options.max_attempts:
-                tracked.restart()
-                retry.append(tracked)
-                continue
-            why = (
-                "it had streamed output already, so it was not retried"
-                if tracked.num_delivered
-                else f"it failed on {tracked.num_attempts} attempts"
-            )
-            del self.front.requests[tracked.request_id]
-            self._deliver(
-                tracked,
-                tracked.error_output(
-                    f"the DP group failed while this request ran on rank {tracked.rank} ({reason}); {why}", now
-                ),
-            )
-        retry.sort(key=lambda t: t.arrival_s)
-        self.pending = [t.request_id for t in retry] + self.pending
+        num_retried = self._settle_requests(reason, now)
         self._restarts = [t for t in self._restarts if now - t < self.options.restart_window_s]
         if not self._ever_ready:
             return self._go_dead(f"the DP group failed to start: {reason}")
@@ -400,7 +357,7 @@ class GroupSupervisor:
                 f"{self.options.restart_window_s:g} s; last: {reason}"
             )
         self._restarts.append(now)
-        logger.warning("restarting the DP group (%d requests queued again)", len(retry))
+        logger.warning("restarting the DP group (%d requests queued again)", num_retried)
         self._start_generation()
 
     def _go_dead(self, reason: str) -> None:

@@ -1,0 +1,319 @@
+"""The Triton kernels of the paged attention backend: KV write, decode (flash-decoding), prefill.
+
+Launched by the wrappers in ``triton_paged``, which hold the launch settings. All kernels read
+the KV cache in place through block tables, given the strides of one layer's view
+``kv[:, layer]`` ([num_blocks, 2, block_size, kv_heads, head_dim]).
+
+- ``write_kv_kernel``: one program per new token stores its K and V into its slot (slot -1:
+  skip, the padding rows of a CUDA-graph batch).
+- ``decode_kernel``: one program per (sequence, KV head, split) computes all query heads of that
+  KV head (GQA: each K/V tile is loaded once for the whole group); with several splits
+  ``decode_merge_kernel`` merges the partial softmaxes.
+- ``prefill_kernel``: one program per (query tile of a sequence, query head); a query at
+  position p attends to keys 0..p of its sequence, read from the cache.
+
+Defined only where Triton is installed (``HAS_TRITON``); the module imports without it.
+"""
+
+from __future__ import annotations
+
+from pdinfer.layers.triton_ops import HAS_TRITON, tl, triton
+
+if HAS_TRITON:
+
+    @triton.jit
+    def write_kv_kernel(
+        k_ptr,
+        v_ptr,
+        cache_ptr,
+        slot_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cb,
+        stride_ckv,
+        stride_ct,
+        stride_ch,
+        num_kv_heads,
+        BLOCK_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        HEADS_PAD: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            heads = tl.arange(0, HEADS_PAD)
+            d = tl.arange(0, D_PAD)
+            mask = (heads[:, None] < num_kv_heads) & (d[None, :] < HEAD_DIM)
+            blk = slot // BLOCK_SIZE
+            dst = cache_ptr + blk * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+            dst = dst + heads[:, None] * stride_ch + d[None, :]
+            t64 = t.to(tl.int64)
+            k = tl.load(k_ptr + t64 * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask)
+            v = tl.load(v_ptr + t64 * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask)
+            tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def decode_kernel(
+        q_ptr,
+        cache_ptr,
+        bt_ptr,
+        ctx_ptr,
+        out_ptr,
+        part_acc_ptr,
+        part_ml_ptr,
+        stride_qt,
+        stride_qh,
+        stride_cb,
+        stride_ckv,
+        stride_ct,
+        stride_ch,
+        stride_bt,
+        stride_ot,
+        stride_oh,
+        qk_scale,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        ctx = tl.load(ctx_ptr + b)
+        split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * split_len
+        end = tl.minimum(start + split_len, ctx)
+
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D_PAD)
+        n = tl.arange(0, BLOCK_N)
+        heads = kvh * GROUP + g
+        gmask = g < GROUP
+        dmask = d < HEAD_DIM
+        b64 = b.to(tl.int64)
+        q = tl.load(
+            q_ptr + b64 * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=gmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+        k_base = cache_ptr + kvh * stride_ch
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + n
+            pmask = pos < end
+            blk = tl.load(bt_ptr + b64 * stride_bt + pos // BLOCK_SIZE, mask=pmask, other=0)
+            off = blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct
+            kv_mask = pmask[:, None] & dmask[None, :]
+            k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = tl.where(pmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(k_base + stride_ckv + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        omask = gmask[:, None] & dmask[None, :]
+        if NUM_SPLITS == 1:
+            out = acc / tl.maximum(l_i, 1e-30)[:, None]
+            tl.store(
+                out_ptr + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=omask,
+            )
+        else:
+            # partials [B, H, NUM_SPLITS, D] and (max, sum) [B, H, NUM_SPLITS, 2], contiguous
+            row = (b64 * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+            tl.store(part_acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=omask)
+            tl.store(part_ml_ptr + row * 2, m_i, mask=gmask)
+            tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=gmask)
+
+    @triton.jit
+    def decode_merge_kernel(
+        part_acc_ptr,
+        part_ml_ptr,
+        out_ptr,
+        stride_ot,
+        stride_oh,
+        num_heads,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        sp = tl.arange(0, NUM_SPLITS)
+        d = tl.arange(0, D_PAD)
+        row = (b * num_heads + h) * NUM_SPLITS + sp
+        m = tl.load(part_ml_ptr + row * 2)
+        l_s = tl.load(part_ml_ptr + row * 2 + 1)
+        m_max = tl.max(m, axis=0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a padding row: no keys at all
+        w = tl.math.exp2(m - m_max)
+        den = tl.sum(w * l_s, axis=0)
+        acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + d[None, :])
+        num = tl.sum(w[:, None] * acc, axis=0)
+        out = num / tl.maximum(den, 1e-30)
+        tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+    @triton.jit
+    def _prefill_tile(
+        q,
+        acc,
+        m_i,
+        l_i,
+        k_base,
+        v_base,
+        bt_row,
+        lo,
+        hi,
+        q_pos,
+        ctx,
+        d,
+        dmask,
+        stride_cb,
+        stride_ct,
+        qk_scale,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        MASKED: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        n = tl.arange(0, BLOCK_N)
+        for n0 in range(lo, hi, BLOCK_N):
+            pos = n0 + n
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < ctx, other=0)
+            off = blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct
+            kv_mask = (pos < ctx)[:, None] & dmask[None, :]
+            k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            if MASKED:
+                s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def prefill_kernel(
+        q_ptr,
+        cache_ptr,
+        bt_ptr,
+        ctx_ptr,
+        qstart_ptr,
+        work_seq_ptr,
+        work_tile_ptr,
+        out_ptr,
+        stride_qt,
+        stride_qh,
+        stride_cb,
+        stride_ckv,
+        stride_ct,
+        stride_ch,
+        stride_bt,
+        stride_ot,
+        stride_oh,
+        qk_scale,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        w = tl.program_id(0)
+        h = tl.program_id(1)
+        seq = tl.load(work_seq_ptr + w)
+        tile = tl.load(work_tile_ptr + w)
+        q0 = tl.load(qstart_ptr + seq)
+        qlen = tl.load(qstart_ptr + seq + 1) - q0
+        ctx = tl.load(ctx_ptr + seq)
+        prefix = ctx - qlen
+
+        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, D_PAD)
+        mmask = m < qlen
+        dmask = d < HEAD_DIM
+        rows = (q0 + m).to(tl.int64)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+            mask=mmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        q_pos = prefix + m
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        k_base = cache_ptr + (h // GROUP) * stride_ch
+        v_base = k_base + stride_ckv
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        # keys before the tile's first query position are visible to every row: no mask
+        first_q = prefix + tile * BLOCK_M
+        unmasked_end = (first_q // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(ctx, first_q + BLOCK_M)
+        acc, m_i, l_i = _prefill_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_base,
+            v_base,
+            bt_row,
+            0,
+            unmasked_end,
+            q_pos,
+            ctx,
+            d,
+            dmask,
+            stride_cb,
+            stride_ct,
+            qk_scale,
+            BLOCK_SIZE,
+            BLOCK_N,
+            False,
+            PRECISION,
+        )
+        acc, m_i, l_i = _prefill_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_base,
+            v_base,
+            bt_row,
+            unmasked_end,
+            hi,
+            q_pos,
+            ctx,
+            d,
+            dmask,
+            stride_cb,
+            stride_ct,
+            qk_scale,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+            PRECISION,
+        )
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(
+            out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mmask[:, None] & dmask[None, :],
+        )
