@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdinfer import env
+from pdinfer.cli_args import add_engine_args
+from pdinfer.kv_transfer.cli_args import add_kv_transfer_args
 
 _STOP_GRACE_S = 15.0
 _POLL_S = 0.3
@@ -41,14 +43,19 @@ class Child:
     log_path: Path
     proc: subprocess.Popen | None = None
 
+    @property
+    def process(self) -> subprocess.Popen:
+        """The process ``start_child`` started."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was not started")
+        return self.proc
+
     def log_tail(self) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
         return "\n".join(lines[-_LOG_TAIL_LINES:])
 
 
 def add_launch_parser(subparsers) -> None:
-    from pdinfer.cli import add_engine_args, add_kv_transfer_args
-
     p = subparsers.add_parser(
         "launch",
         help="start a local P/D cluster (engines + router) and print its URL",
@@ -77,8 +84,6 @@ def add_launch_parser(subparsers) -> None:
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine and K/V flags that differ from their defaults, as command-line text."""
-    from pdinfer.cli import add_engine_args, add_kv_transfer_args
-
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_args(parser)
     add_kv_transfer_args(parser)
@@ -191,7 +196,7 @@ def wait_healthy(children: list[Child], timeout_s: float) -> Child | None:
     pending = list(children)
     while pending:
         for child in list(pending):
-            if child.proc.poll() is not None:
+            if child.process.poll() is not None:
                 return child
             if _healthy(child):
                 pending.remove(child)
@@ -208,17 +213,17 @@ def stop_all(children: list[Child], grace_s: float = _STOP_GRACE_S) -> None:
     deadline = time.monotonic() + grace_s
     for child in started:
         try:
-            child.proc.wait(max(0.0, deadline - time.monotonic()))
+            child.process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
     for child in started:  # whatever is left, the leaders' own children included
         _signal_group(child, signal.SIGKILL)
-        child.proc.wait()
+        child.process.wait()
 
 
 def _signal_group(child: Child, sig: int) -> None:
     try:
-        os.killpg(child.proc.pid, sig)
+        os.killpg(child.process.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
@@ -260,7 +265,11 @@ def _run(children: list[Child], args: argparse.Namespace, log_dir: Path) -> int:
         start_child(router)
         failed = wait_healthy([router], args.startup_timeout_s)
     if failed is not None:
-        state = f"exited with {failed.proc.returncode}" if failed.proc.poll() is not None else "did not become healthy"
+        state = (
+            f"exited with {failed.process.returncode}"
+            if failed.process.poll() is not None
+            else "did not become healthy"
+        )
         print(
             f"pdinfer launch: {failed.name} {state}; its log ({failed.log_path}):\n{failed.log_tail()}",
             file=sys.stderr,
@@ -269,7 +278,7 @@ def _run(children: list[Child], args: argparse.Namespace, log_dir: Path) -> int:
         return 1
     print(f"pdinfer launch: {router.url}/v1 is ready", flush=True)
     for child in children:
-        print(f"  {child.name:<13} {child.url}  pid {child.proc.pid}  log {child.log_path}", flush=True)
+        print(f"  {child.name:<13} {child.url}  pid {child.process.pid}  log {child.log_path}", flush=True)
     print("Ctrl-C stops the cluster.", flush=True)
     return _watch(engines, router)
 
@@ -277,18 +286,18 @@ def _run(children: list[Child], args: argparse.Namespace, log_dir: Path) -> int:
 def _watch(engines: list[Child], router: Child) -> int:
     reported: set[str] = set()
     while True:
-        if router.proc.poll() is not None:
+        if router.process.poll() is not None:
             print(
-                f"pdinfer launch: the router exited with {router.proc.returncode}:\n{router.log_tail()}",
+                f"pdinfer launch: the router exited with {router.process.returncode}:\n{router.log_tail()}",
                 file=sys.stderr,
                 flush=True,
             )
             return 1
         for child in engines:
-            if child.proc.poll() is not None and child.name not in reported:
+            if child.process.poll() is not None and child.name not in reported:
                 reported.add(child.name)  # the router ejects it; the rest keeps serving
                 print(
-                    f"pdinfer launch: {child.name} exited with {child.proc.returncode} (log {child.log_path})",
+                    f"pdinfer launch: {child.name} exited with {child.process.returncode} (log {child.log_path})",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -7,12 +7,12 @@ import argparse
 import logging
 import sys
 
+from pdinfer.cli_args import positive_int, served_model_name
+
 logger = logging.getLogger("pdinfer")
 
 
 def add_router_parser(subparsers) -> None:
-    from pdinfer.cli import positive_int
-
     p = subparsers.add_parser(
         "router",
         help="the P/D front door: an OpenAI API that picks a PE and a CE per request",
@@ -90,7 +90,6 @@ def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pdinfer import env
-    from pdinfer.cli import served_model_name
     from pdinfer.models.loader import load_tokenizer, resolve_model
     from pdinfer.serving.router import Router, RouterConfig, build_router_app
 
