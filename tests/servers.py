@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from pdinfer.env import child_environ
+from pdinfer.serving.launch import terminate_with_parent
 
 STARTUP_TIMEOUT_S = 600
 
@@ -46,6 +47,7 @@ class Server:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 start_new_session=True,
+                preexec_fn=terminate_with_parent,  # a killed test run leaves no server behind
             )
         if wait:
             self.wait_healthy()

@@ -20,6 +20,7 @@ from conftest import PROMPTS, make_llm
 from pdinfer import SamplingParams
 from pdinfer.env import child_environ
 from pdinfer.serving import AsyncEngine, EngineDeadError, build_app
+from pdinfer.serving.launch import terminate_with_parent
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "sk-test"
@@ -56,7 +57,7 @@ def server(tmp_path_factory):
     ]
     env = child_environ({"PDINFER_LOG_LEVEL": "WARNING"})
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=terminate_with_parent)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

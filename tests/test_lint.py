@@ -1,5 +1,5 @@
-"""The code base stays ruff-clean and ruff-formatted (STYLE.md: lint and format run in CI,
-inside the test command)."""
+"""The code base stays ruff-clean, ruff-formatted and mypy-clean (STYLE.md: lint, format and a
+type checker run in CI, inside the test command)."""
 
 import subprocess
 import sys
@@ -21,3 +21,9 @@ def test_ruff_is_clean():
 def test_ruff_format_is_applied():
     result = _ruff("format", "--check")
     assert result.returncode == 0, "run `ruff format pdinfer tests benchmarks`:\n" + result.stdout + result.stderr
+
+
+def test_mypy_is_clean():
+    """mypy with the settings of pyproject.toml's [tool.mypy] (the package, default strictness)."""
+    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

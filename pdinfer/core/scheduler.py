@@ -189,6 +189,8 @@ class Scheduler:
         if not do_prefill:
             return self._decode_step()
         outputs = self._schedule_prefill() if want else None
+        if outputs is not None and not (outputs.scheduled_seqs or outputs.ignored_seqs):
+            outputs = None  # nothing was schedulable here
         # Second vote: "want" does not guarantee anything was schedulable (max_num_seqs full, no
         # blocks). If nobody scheduled, everyone decodes -- otherwise "running full + waiting"
         # would loop on empty prefill steps forever.
@@ -204,7 +206,7 @@ class Scheduler:
         self.decode_step += 1
         return self._schedule_decode()
 
-    def _schedule_prefill(self) -> SchedulerOutputs | None:
+    def _schedule_prefill(self) -> SchedulerOutputs:
         cfg, bm = self.config, self.block_manager
         outputs = SchedulerOutputs(prompt_run=True)
         budget = cfg.max_num_batched_tokens
@@ -261,9 +263,7 @@ class Scheduler:
                 is_chunked = True
             if is_chunked and self.engine_type is EngineType.NORMAL:
                 break  # NORMAL keeps the step short: the next one may be a decode step
-        if self.engine_type is not EngineType.NORMAL or outputs.scheduled_seqs or outputs.ignored_seqs:
-            return outputs
-        return None  # NORMAL with nothing scheduled: _schedule_normal decides
+        return outputs
 
     def _schedule_decode(self) -> SchedulerOutputs:
         cfg, bm = self.config, self.block_manager
@@ -275,13 +275,14 @@ class Scheduler:
             if forked:
                 index = seq.num_computed_tokens // bm.block_size
                 shared = index < len(seq.block_table) and bm.ref_counts[seq.block_table[index]] > 1
-                needs_state = self.state_manager is not None and seq.state_id < 0
-                if (shared and bm.num_free_blocks < 1) or (needs_state and not self.state_manager.can_allocate()):
+                sm = self.state_manager if seq.state_id < 0 else None  # a state slot still to allocate
+                if (shared and bm.num_free_blocks < 1) or (sm is not None and not sm.can_allocate()):
                     break
-                if shared:
-                    outputs.clone_blocks.append(bm.copy_on_write(seq, index))
-                if needs_state:
-                    seq.state_id = self.state_manager.allocate()
+                copy = bm.copy_on_write(seq, index) if shared else None
+                if copy is not None:
+                    outputs.clone_blocks.append(copy)
+                if sm is not None:
+                    seq.state_id = sm.allocate()
                     if seq.state_source >= 0:
                         outputs.clone_states.append((seq.state_source, seq.state_id))
             self.prompted.popleft()

@@ -231,7 +231,8 @@ class DPFront:
         values["seed"] = params.resolved_seed()
         tracked = TrackedRequest(request_id, text, token_ids, values, sink, final_only, dp_rank, time.monotonic())
         with self.lock:
-            if self.error is not None or self._stopped or self._thread is None:
+            sup = self._supervisor  # start() sets it with _thread
+            if self.error is not None or self._stopped or self._thread is None or sup is None:
                 raise EngineDeadError(self._dead_message())
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -243,7 +244,7 @@ class DPFront:
                     )
             self.requests[request_id] = tracked
             self.commands.append(("add", request_id))
-        self._supervisor.wake()
+        sup.wake()
 
     async def add_request(
         self, request_id: str, prompt, params: SamplingParams, *, dp_rank: int | None = None

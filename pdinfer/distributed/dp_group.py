@@ -95,7 +95,7 @@ class TorchDPGroup:
             raise ValueError(f"DP backend must be auto, gloo or nccl, got {backend!r}")
         self.timeout_s = timeout_s
         self.device = torch.device("cpu")
-        self._stream = None
+        self._stream: torch.cuda.Stream | None = None
         self.num_calls = 0
         self.total_ns = 0  # time inside all_reduce_min, waiting for the slowest rank included
         self._joined = False

@@ -64,7 +64,7 @@ class FrontChannel:
     """This rank's DEALER socket to the front's ROUTER."""
 
     def __init__(self, address: str, identity: bytes):
-        self._socket = zmq.Context.instance().socket(zmq.DEALER)
+        self._socket: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.IDENTITY, identity)
         self._socket.setsockopt(zmq.LINGER, 2000)  # let a last failure report out
         self._socket.connect(address)

@@ -43,7 +43,7 @@ class CompletionEngine(LLMEngine):
         self.connector = self.pd_config.make_connector(
             listen=True, engine_type=self.engine_type.value, device=self.device
         )
-        self.connector.register_kv_cache(self.model_runner.cache.kv)  # before the handshake can answer
+        self.connector.register_kv_cache(self.model_runner.require_cache().kv)  # before the handshake can answer
         self.connector.register(kv_layout(self))
         self.reservations: dict[str, Sequence] = {}  # transfer id -> sequence waiting for its K/V
         # transfer id -> (blocks, deadline) of dropped reservations a PE may still write into
@@ -138,6 +138,7 @@ class CompletionEngine(LLMEngine):
                 self._drop_reservation(push.transfer_id, f"K/V hand-off refused: {error}")
             self._release_quarantine(push.transfer_id)  # its push comes after its write
             return
+        assert seq is not None  # _verify refuses a transfer without a reservation
         del self.reservations[push.transfer_id]
         if self.connector.writes_in_place or self._device_payload:  # in our blocks already, checked
             self.connector.confirm(arrival, ok=True)
@@ -152,7 +153,7 @@ class CompletionEngine(LLMEngine):
         self._ready_outputs.append(self._report(self.requests[seq.request_id]))
 
     def _write_payload(self, arrival: Arrival) -> None:
-        push, cache = arrival.push, self.model_runner.cache
+        push, cache = arrival.push, self.model_runner.require_cache()
         with warnings.catch_warnings():  # read-only receive buffer: we only copy out of it
             warnings.simplefilter("ignore", UserWarning)
             data = torch.frombuffer(arrival.payload, dtype=torch.uint8)
@@ -165,7 +166,7 @@ class CompletionEngine(LLMEngine):
         )
 
     def _verify(self, arrival: Arrival, seq: Sequence | None) -> str | None:
-        push, cache = arrival.push, self.model_runner.cache
+        push, cache = arrival.push, self.model_runner.require_cache()
         if seq is None and push.transfer_id in self.quarantined:
             return "the request was aborted on the completion engine"
         if seq is None:
@@ -179,6 +180,7 @@ class CompletionEngine(LLMEngine):
         expected_blocks = self.block_manager.blocks_for(push.num_tokens)
         if list(push.block_ids) != seq.block_table[:expected_blocks]:
             return "the K/V targets blocks that were not reserved for it"
+        received: list | None  # buffers to checksum; None: landed and checked by the connector
         if self.connector.writes_in_place:  # check what landed in our own memory
             size = push.nbytes
             received = [cache.kv[b].view(-1).view(torch.uint8).numpy() for b in push.block_ids]

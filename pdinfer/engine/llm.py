@@ -5,11 +5,15 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence as SequenceABC
+from typing import TYPE_CHECKING
 
 from pdinfer.config import EngineArgs
 from pdinfer.engine.llm_engine import LLMEngine
 from pdinfer.outputs import RequestOutput
 from pdinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdinfer.distributed.dp_client import DPEngineClient
 
 logger = logging.getLogger("pdinfer")
 
@@ -21,6 +25,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs):
         args = EngineArgs(model=model, **kwargs)
+        self.engine: LLMEngine | DPEngineClient
         if args.data_parallel_size > 1:  # rank processes behind a DP front, same results
             from pdinfer.distributed.dp_client import DPEngineClient
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pdinfer import env
-from pdinfer.config import EngineArgs
+from pdinfer.config import EngineArgs, default_kv_cache_memory_bytes
 from pdinfer.core.block_manager import BlockManager
 from pdinfer.core.dp import DPGroup
 from pdinfer.core.outputs import SchedulerOutputs
@@ -34,7 +34,7 @@ from pdinfer.models.spec import ModelSpec
 from pdinfer.outputs import RequestOutput
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence
-from pdinfer.worker.model_runner import ModelRunner, StepExecutor
+from pdinfer.worker.model_runner import ModelRunner, StepExecutor, StepFuture
 from pdinfer.worker.step_input import StepInput
 
 logger = logging.getLogger("pdinfer")
@@ -45,7 +45,7 @@ class InFlight:
     plan: SchedulerOutputs
     inp: StepInput
     owners: list[tuple[Sequence, int]]
-    future: Future
+    future: StepFuture
 
 
 class LLMEngine:
@@ -112,8 +112,9 @@ class LLMEngine:
         if cc.num_blocks is not None:
             self.num_blocks = cc.num_blocks
         else:
+            memory_bytes = cc.kv_cache_memory_bytes
             self.num_blocks = self.model_runner.profile_num_blocks(
-                cc.kv_cache_memory_bytes,
+                memory_bytes if memory_bytes is not None else default_kv_cache_memory_bytes(),
                 cc.block_size,
                 sc.max_num_batched_tokens,
                 sc.max_num_seqs,
@@ -133,7 +134,7 @@ class LLMEngine:
         if not shape:
             return None
         num_slots = 2 * self.scheduler_config.max_num_seqs
-        self.model_runner.cache.init_states(num_slots, tuple(shape))
+        self.model_runner.require_cache().init_states(num_slots, tuple(shape))
         return StateManager(num_slots)
 
     # --- the hooks (base implementations are the seed's defaults) ---------------------------------
@@ -152,13 +153,15 @@ class LLMEngine:
         The copy runs in step order; ``pre_sampler_sync`` waits for ``copy_state_event``
         before ``do_save_kvcache`` reads the snapshot.
         """
-        if self.copy_state is None:
+        copy_state = self.copy_state
+        if copy_state is None:
             return
+        cache = self.model_runner.require_cache()
         jobs = [(seq.seq_id, seq.num_computed_tokens - 1, list(seq.block_table)) for seq in seqs]
 
         def copy() -> None:
             for seq_id, num_tokens, blocks in jobs:
-                self.copy_state[seq_id] = (num_tokens, self.model_runner.cache.read_blocks(blocks))
+                copy_state[seq_id] = (num_tokens, cache.read_blocks(blocks))
 
         self.copy_state_event = self.executor.submit_call(copy)
 
@@ -311,7 +314,7 @@ class LLMEngine:
             return outputs + (self._post_process_step(inflight) if inflight is not None else [])
         previous, self._inflight = self._inflight, inflight
         host_work = (lambda: self._post_process_step(previous)) if previous is not None else list
-        return outputs + self.executor.overlap_with(inflight and inflight.future, host_work)
+        return outputs + self.executor.overlap_with(inflight.future if inflight is not None else None, host_work)
 
     def _launch(self, plan: SchedulerOutputs) -> InFlight | None:
         # In a DP group a rank's companion empty prefill step still runs an (empty) forward,

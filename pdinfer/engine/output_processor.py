@@ -112,7 +112,7 @@ class OutputProcessor:
             return
         entry = {token: result.logprobs[index]}
         k = seq.sampling_params.logprobs
-        if k and result.top_ids is not None:
+        if k and result.top_ids is not None and result.top_logprobs is not None:  # set together
             for tid, lp in zip(result.top_ids[index][:k], result.top_logprobs[index][:k]):
                 entry.setdefault(tid, lp)
         if replace:  # a fork copied its parent's logprobs of the first token

@@ -67,7 +67,7 @@ class PrefillEngine(LLMEngine):
 
     def _read_kv(self, blocks: list[int]):
         """Step thread, after the forward that wrote ``blocks``: start copying their K/V out."""
-        cache = self.model_runner.cache
+        cache = self.model_runner.require_cache()
         stage = getattr(self.connector, "stage_blocks", None)
         if stage is not None:  # a device transport: into its staging pool on the device
             return stage(cache, blocks)
@@ -95,9 +95,8 @@ class PrefillEngine(LLMEngine):
         for seq in ready:
             if not seq.is_finished and now > seq.handoff.expires_at:
                 # The CE has dropped the reservation: its blocks may hold another request now.
-                self.requests[seq.request_id].error = (
-                    "the completion engine's reservation expired before the prefill finished"
-                )
+                error = "the completion engine's reservation expired before the prefill finished"
+                self.requests[seq.request_id].error = error
                 self.abort_request(seq.request_id)
             if seq.is_finished:  # aborted while its prefill ran
                 continue

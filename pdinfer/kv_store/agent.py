@@ -53,7 +53,7 @@ class KVStoreAgent:
         self.engine = engine
         self.store = store
         self.block_manager = engine.block_manager
-        self.cache = engine.model_runner.cache
+        self.cache = engine.model_runner.require_cache()
         self.block_size = self.block_manager.block_size
         self.save_interval_tokens = save_interval_tokens
         # Loaded blocks reach a prefill only through the prefix cache.
@@ -98,7 +98,8 @@ class KVStoreAgent:
     def load_waiting(self) -> None:
         """Load stored prefixes of new waiting sequences, in queue order, for about one step's
         worth of prompt tokens (what the scheduler will take next)."""
-        if not self.loads:
+        loader = self.loader  # None unless self.loads
+        if loader is None:
             return
         scheduler = self.engine.scheduler
         self._looked_up &= {seq.seq_id for seq in scheduler.waiting}
@@ -112,10 +113,10 @@ class KVStoreAgent:
                 continue
             self._looked_up.add(seq.seq_id)
             start = time.perf_counter()
-            budget -= seq.num_tokens - self._load(seq)
+            budget -= seq.num_tokens - self._load(seq, loader)
             self.load_seconds += time.perf_counter() - start
 
-    def _load(self, seq: Sequence) -> int:
+    def _load(self, seq: Sequence, loader: BlockLoader) -> int:
         """Load what the store adds to the local prefix of ``seq``; returns the tokens cached now."""
         bm, bs = self.block_manager, self.block_size
         hashes = bm.hash_full_blocks(seq, (seq.num_tokens - 1) // bs * bs)
@@ -125,8 +126,8 @@ class KVStoreAgent:
         loaded = 0
         try:
             keys = hashes[start : start + bm.num_free_blocks]
-            for blocks, chunk_keys in self.loader.chunks(keys[: self.store.stored_run(keys)]):
-                self.loader.hold(self._write(blocks, chunk_keys))
+            for blocks, chunk_keys in loader.chunks(keys[: self.store.stored_run(keys)]):
+                loader.hold(self._write(blocks, chunk_keys))
                 loaded += len(chunk_keys)
             self.loaded_requests += int(loaded > 0)
         finally:

@@ -10,6 +10,7 @@ file is a miss, never K/V.
 from __future__ import annotations
 
 import hashlib
+import io
 import struct
 import zlib
 from typing import BinaryIO
@@ -65,7 +66,7 @@ def read_block(f: BinaryIO, ns_digest: bytes, key: bytes) -> bytes | None:
     return payload if zlib.crc32(payload) == header[1] else None
 
 
-def read_block_into(f: BinaryIO, ns_digest: bytes, key: bytes, out: memoryview) -> bool:
+def read_block_into(f: io.BufferedReader, ns_digest: bytes, key: bytes, out: memoryview) -> bool:
     """Read an open block file's payload straight into ``out`` (exactly its size); False if
     anything about it is wrong (``out`` then holds garbage)."""
     header = _read_header(f, ns_digest, key)

@@ -41,7 +41,7 @@ class BlockLoader:
             chunk = keys[i : i + self.chunk_blocks]
             staging = self._buffer(len(chunk))
             flat, size = staging.view(-1).view(torch.uint8).numpy(), self.cache.bytes_per_block
-            outs = [memoryview(flat[j * size : (j + 1) * size]) for j in range(len(chunk))]
+            outs = [flat[j * size : (j + 1) * size].data for j in range(len(chunk))]
             read = self.store.read_run(chunk, outs, self.readers)
             if read:
                 yield staging[:read], chunk[:read]
@@ -57,8 +57,9 @@ class BlockLoader:
     def _buffer(self, num_blocks: int) -> torch.Tensor:
         if not self.staging:
             return self._host(num_blocks, pin=False)
-        if self.busy[self._turn] is not None:
-            self.busy[self._turn].result()
+        write = self.busy[self._turn]
+        if write is not None:
+            write.result()
             self.busy[self._turn] = None
         return self.staging[self._turn][:num_blocks]
 

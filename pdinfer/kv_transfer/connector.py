@@ -70,5 +70,10 @@ class KVConnector(ABC):
     @abstractmethod
     def events(self) -> list[KVAck | KVAbort]: ...
 
+    def land(self, arrival: Arrival, cache) -> str | None:
+        """Device-payload transports (``device_payload``): copy an arrival's K/V into its blocks
+        of ``cache`` and check it there; an error, or None."""
+        raise NotImplementedError
+
     def close(self) -> None:  # noqa: B027 - optional: transports without resources keep it
         return None

@@ -103,7 +103,10 @@ class CudaIpcConnector(TcpConnector):
                 segment.data.numel() / 2**20,
                 sum(s.allocator.used_bytes for s in self.segments) / 2**20,
             )
-            return segment, segment.allocator.alloc(nbytes)
+            offset = segment.allocator.alloc(nbytes)
+            if offset is None:  # a bug: the new segment holds at least 2 * nbytes
+                raise RuntimeError(f"a fresh staging segment cannot hold {nbytes} bytes")
+            return segment, offset
 
     def send(self, address: str, push: KVPush, payload: StagedKV) -> None:
         push.staging_offset, push.staging_info = payload.offset, payload.segment.info

@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 import uuid
+from typing import cast
 
 from pdinfer.kv_transfer.connector import Arrival, HandshakeError, KVConnector
 from pdinfer.kv_transfer.protocol import KVAbort, KVAck, KVPush, decode, encode
@@ -57,6 +58,7 @@ class LocalConnector(KVConnector):
             return
         # encode/decode on the way, like the wire: the CE gets its own copy of everything
         message = decode(encode(push, self.secret), peer.secret)
+        assert isinstance(message, KVPush)  # it was one before the round trip
         peer._inbox.put(Arrival(push=message, payload=bytes(payload), peer=self))
 
     def abort(self, address: str, message: KVAbort) -> None:
@@ -68,7 +70,7 @@ class LocalConnector(KVConnector):
         return _drain(self._inbox)
 
     def confirm(self, arrival: Arrival, ok: bool, error: str | None = None) -> None:
-        arrival.peer._events.put(KVAck(transfer_id=arrival.push.transfer_id, ok=ok, error=error))
+        cast(LocalConnector, arrival.peer)._events.put(KVAck(transfer_id=arrival.push.transfer_id, ok=ok, error=error))
 
     def events(self) -> list:
         return _drain(self._events)

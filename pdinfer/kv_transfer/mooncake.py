@@ -109,12 +109,13 @@ class MooncakeConnector(TcpConnector):
 
     def _answer_hello(self, identity: bytes, hello: Hello) -> HelloAck:
         ack = super()._answer_hello(identity, hello)
-        if ack.ok and self._kv is None:
+        if not ack.ok:
+            return ack
+        if self._kv is None:
             self._handshaken.discard(identity)
             return HelloAck(ok=False, instance_id=self.instance_id, error="KV cache not registered yet")
-        if ack.ok:
-            ack.data_session = self.session_id
-            ack.kv_address, ack.kv_block_bytes, ack.kv_num_blocks = self._kv
+        ack.data_session = self.session_id
+        ack.kv_address, ack.kv_block_bytes, ack.kv_num_blocks = self._kv
         return ack
 
     # --- PE: write, then push ------------------------------------------------------------------------

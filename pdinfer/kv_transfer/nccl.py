@@ -24,6 +24,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from datetime import timedelta
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -86,8 +87,9 @@ class NcclConnector(CudaIpcConnector):
             self._store = host_store(listen_host, 0, GROUP_TIMEOUT_S)  # bound to listen_host only
             self._store_address = f"{listen_host}:{self._store.port}"
         self._groups: dict[bytes, Future] = {}  # CE: PE identity -> its pair group
-        self._received: dict[str, tuple[torch.Tensor, object]] = {}  # CE: transfer id -> (buffer, recv)
-        self._peer_groups: dict[str, object] = {}  # PE: CE address -> pair group
+        self._received: dict[str, tuple[torch.Tensor, dist.Work]] = {}  # CE: transfer id -> (buffer, recv)
+        # PE: CE address -> pair group (a c10d Backend: Any, its stubs declare no send/recv)
+        self._peer_groups: dict[str, Any] = {}
         self._sending: set[str] = set()  # PE: transfer ids whose send is in flight
         self._release_after_send: set[str] = set()  # PE: acked or aborted while still sending
         self._sends_lock = threading.Lock()
@@ -113,6 +115,8 @@ class NcclConnector(CudaIpcConnector):
 
     def _form_group(self, key: str, future: Future) -> None:
         try:
+            if self._store is None:  # a bug: only a listening connector (a CE) answers hellos
+                raise RuntimeError("a pair group needs the CE's rendezvous store")
             future.set_result(make_pair_group(dist.PrefixStore(key, self._store), CE_RANK, self.device))
         except Exception as exc:  # noqa: BLE001 - reported when a push from that PE arrives
             future.set_exception(exc)
@@ -194,7 +198,7 @@ class NcclConnector(CudaIpcConnector):
     def receive(self) -> list:
         arrivals = super().receive()
         for arrival in arrivals:
-            push, future = arrival.push, self._groups.get(arrival.peer)
+            push, future = arrival.push, self._groups.get(cast(bytes, arrival.peer))  # the ROUTER identity
             if future is None or push.nbytes <= 0:
                 continue
             group = future.result(timeout=GROUP_TIMEOUT_S)

@@ -145,7 +145,7 @@ class Segment:
 
     def close(self) -> None:
         _LOCAL_SEGMENTS.pop(self.key, None)
-        self.data = None
+        del self.data  # a closed segment has no memory
         if self._shm is not None:
             self._shm.unlink()
             close_shm(self._shm)
@@ -191,7 +191,8 @@ def open_segment(info: SegmentInfo):
     if info.kind == "shm":
         shm = shared_memory.SharedMemory(name=info.name)
         # Python < 3.13 registers attached segments too and would unlink the PE's at our exit.
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+        # (_name, the name with its leading "/", is private: not in the stubs.)
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]  # noqa: SLF001
         return torch.frombuffer(shm.buf, dtype=torch.uint8, count=info.nbytes), shm
     if info.device >= torch.cuda.device_count():
         raise RuntimeError(

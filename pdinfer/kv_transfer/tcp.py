@@ -41,7 +41,7 @@ class TcpConnector(KVConnector):
         self.secret = secret.encode() if secret else None
         self.engine_type = engine_type
         self.instance_id = uuid.uuid4().hex
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket] = zmq.Context.instance()
         self._commands: queue.Queue = queue.Queue()
         self._inbox: queue.Queue[Arrival] = queue.Queue()
         self._events: queue.Queue = queue.Queue()
@@ -51,7 +51,7 @@ class TcpConnector(KVConnector):
         self._wake_send = self._ctx.socket(zmq.PUSH)
         self._wake_send.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
-        self._router = None
+        self._router: zmq.Socket | None = None
         self._address = ""
         if listen_host is not None:
             self._router = self._ctx.socket(zmq.ROUTER)
@@ -144,8 +144,8 @@ class TcpConnector(KVConnector):
                     if sock is self._wake_recv:
                         _drain_socket(self._wake_recv)
                         self._run_commands(poller)
-                    elif sock is self._router:
-                        self._on_router(sock.recv_multipart(copy=False))
+                    elif self._router is not None and sock is self._router:
+                        self._on_router(self._router)
                     else:
                         self._on_dealer(sock)
         except zmq.ContextTerminated:
@@ -198,6 +198,8 @@ class TcpConnector(KVConnector):
         sock.send(encode(self._hello(), self.secret))
 
     def _hello(self) -> Hello:
+        if self.layout is None:  # connect() checked it
+            raise RuntimeError("register(layout) before connect")
         return Hello(layout=self.layout, engine_type=self.engine_type, data_plane=self.data_plane)
 
     def _on_dealer(self, sock) -> None:
@@ -206,10 +208,11 @@ class TcpConnector(KVConnector):
         try:
             message = decode(frames[0], self.secret)
         except AuthError:
-            message = _unsigned_refusal(frames[0])
-            if message is None:
+            refusal = _unsigned_refusal(frames[0])
+            if refusal is None:
                 logger.warning("dropping a message from %s not signed with our secret", address)
                 return
+            message = refusal
         except msgspec.DecodeError as exc:
             logger.warning("dropping an unreadable message from %s: %s", address, exc)
             return
@@ -224,24 +227,25 @@ class TcpConnector(KVConnector):
     def _on_ack(self, ack: KVAck) -> None:
         """Socket thread: an ack arrived (a device transport frees its staging here)."""
 
-    def _on_router(self, frames) -> None:
+    def _on_router(self, router: zmq.Socket) -> None:
+        frames = router.recv_multipart(copy=False)
         identity = frames[0].bytes
         try:
             message = decode(frames[1].bytes, self.secret)
         except AuthError as exc:
             # Refusals go out unsigned: the sender may not know our secret, and a refusal grants nothing.
             refusal = HelloAck(ok=False, instance_id=self.instance_id, error=f"authentication failed: {exc}")
-            self._router.send_multipart([identity, encode(refusal, None)])
+            router.send_multipart([identity, encode(refusal, None)])
             return
         except msgspec.DecodeError as exc:
             logger.warning("dropping a malformed KV message: %s", exc)
             return
         if isinstance(message, Hello):
-            self._router.send_multipart([identity, encode(self._answer_hello(identity, message), self.secret)])
+            router.send_multipart([identity, encode(self._answer_hello(identity, message), self.secret)])
         elif isinstance(message, KVPush):
             if identity not in self._handshaken:
                 ack = KVAck(transfer_id=message.transfer_id, ok=False, error="no handshake on this connection")
-                self._router.send_multipart([identity, encode(ack, self.secret)])
+                router.send_multipart([identity, encode(ack, self.secret)])
                 return
             payload = frames[2].buffer if len(frames) > 2 else b""
             self._inbox.put(Arrival(push=message, payload=payload, peer=identity))

@@ -73,12 +73,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _linear(layer: PackedLinear) -> _Linear:
     q = layer.quant
+    qs, d, mn = (q.qs, q.d, q.mn) if q is not None else (None, None, None)
     qt, dt, mt = q.tiles if q is not None else (None, None, None)
     return _Linear(
         _ptr(layer.weight),
-        _ptr(q and q.qs),
-        _ptr(q and q.d),
-        _ptr(q and q.mn),
+        _ptr(qs),
+        _ptr(d),
+        _ptr(mn),
         _ptr(qt),
         _ptr(dt),
         _ptr(mt),

@@ -61,20 +61,22 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fope
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
+_ops: dict[str, FusedOps] = {}
 
 
 def load(cache_dir: str | None = None) -> ctypes.CDLL | None:
     """The compiled kernel library (built on first use, then cached), or None."""
     with _lock:
         if "lib" not in _loaded:
-            _loaded["lib"] = build(cache_dir)
-            _loaded["ops"] = None if _loaded["lib"] is None else FusedOps(_loaded["lib"])
+            _loaded["lib"] = lib = build(cache_dir)
+            if lib is not None:
+                _ops["ops"] = FusedOps(lib)
         return _loaded["lib"]
 
 
 def fused_ops() -> FusedOps | None:
     """The fused elementwise ops once ``load()`` has built the library (a CPU model runner does)."""
-    return _loaded.get("ops")
+    return _ops.get("ops")
 
 
 def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:

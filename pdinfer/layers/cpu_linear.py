@@ -84,7 +84,8 @@ class QuantWeight:
         """Row-wise concatenation (fused q/k/v, gate/up); None if the kinds or widths differ."""
         if len({(p.kind, p.k) for p in parts}) != 1:
             return None
-        mn = None if parts[0].mn is None else torch.cat([p.mn for p in parts])
+        mns = [p.mn for p in parts if p.mn is not None]  # all or none: one kind
+        mn = torch.cat(mns) if mns else None
         return QuantWeight(
             parts[0].kind,
             torch.cat([p.qs for p in parts]),
@@ -101,7 +102,7 @@ class QuantWeight:
             return (d * self.qs[rows].view(torch.int8).reshape(d.shape[0], -1, 32).float()).flatten(1)
         qs = self.qs[rows]
         q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # GGUF order: low nibbles, then high
-        return (d * q + self.mn[rows, :, None]).flatten(1)
+        return (d * q + self.minimums[rows, :, None]).flatten(1)
 
     def matches(self, weight: torch.Tensor, rows: int = 8) -> bool:
         """Whether the first and last ``rows`` rows de-quantize to exactly ``weight``'s."""
@@ -111,6 +112,12 @@ class QuantWeight:
         return bool(
             torch.equal(self.dequantize(head), weight[head]) and torch.equal(self.dequantize(tail), weight[tail])
         )
+
+    @property
+    def minimums(self) -> torch.Tensor:
+        if self.mn is None:
+            raise RuntimeError("q8 blocks have no minimums")
+        return self.mn
 
     @property
     def max_rows(self) -> int:
@@ -134,7 +141,7 @@ class QuantWeight:
             return by_tile(self.qs), by_tile(self.d), None
         half = QUANT_TILE // 2
         q = by_tile(torch.cat([self.qs & 15, self.qs >> 4], dim=-1).reshape(self.n, self.k))
-        return (q[..., :half] | (q[..., half:] << 4)).contiguous(), by_tile(self.d), by_tile(self.mn)
+        return (q[..., :half] | (q[..., half:] << 4)).contiguous(), by_tile(self.d), by_tile(self.minimums)
 
     def linear(self, lib, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, dequantize(), bias)``: row-streaming up to ``quant_stream_rows(lib)``
@@ -181,7 +188,8 @@ class PackedLinear(nn.Module):
     copy is not a parameter, so it must be rebuilt (``repack``) if the weights change.
     """
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, kernels=None, quant: QuantWeight | None = None):
+    # weight, bias: nn.Parameters (typed Tensor, as torch's own modules declare them)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels=None, quant: QuantWeight | None = None):
         super().__init__()
         self.weight = weight
         self.bias = bias

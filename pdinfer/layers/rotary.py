@@ -70,6 +70,8 @@ def _yarn(theta: float, dim: int, s: dict[str, Any]) -> tuple[torch.Tensor, floa
 
 
 class RotaryEmbedding(torch.nn.Module):
+    inv_freq: torch.Tensor  # a registered buffer
+
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any]):
         super().__init__()
         self._params = (head_dim, theta, scaling)

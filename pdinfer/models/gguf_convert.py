@@ -94,7 +94,7 @@ def _convert(path: Path, out: Path) -> None:
         name = _hf_name(t.name)
         raw = None
         if t.tensor_type.name in BLOCK_TYPES and data.ndim == 2:
-            raw = np.asarray(t.data, dtype=np.uint8).reshape(data.shape[0], -1)
+            raw = np.asarray(t.data, dtype=np.uint8).reshape(len(data), -1)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             data = unpermute_qk(data, heads)

@@ -7,6 +7,7 @@ gate/up projections are fused into one matmul each (fewer, larger kernels).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from pdinfer.layers.attention.metadata import AttentionMetadata
 from pdinfer.layers.attention.torch_paged import TorchPagedAttention
 from pdinfer.layers.rotary import RotaryEmbedding, apply_rotary
 from pdinfer.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from pdinfer.layers.cpu_decode_stack import DecodeStack
 
 MLP_CHUNK_ROWS = 1024  # CPU: rows per MLP chunk of a large prefill
 
@@ -78,7 +82,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if (ops := _fused_ops(q)) is not None:
             q, k = ops.rotary_qk_(q, k, cos, sin)  # in place, one kernel for both
@@ -135,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         # CPU decode steps: the layers in one native call (layers/cpu_decode_stack.py), set by
         # the model runner once the linears are packed; None: the modules.
-        self.decode_stack = None
+        self.decode_stack: DecodeStack | None = None
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:

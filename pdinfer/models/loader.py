@@ -116,7 +116,7 @@ def load_quantized_blocks(folder: str) -> dict[str, QuantWeight]:
     return blocks
 
 
-def _init_dummy(model: torch.nn.Module, seed: int) -> None:
+def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
     init_dummy_weights(model.named_parameters(), model.spec.num_layers, seed)
 
 

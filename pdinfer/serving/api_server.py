@@ -59,6 +59,11 @@ class _Generation:
         completion = sum(len(c.token_ids) for out in self.finals if out for c in out.outputs)
         return protocol.usage(sum(self.prompt_tokens), completion)
 
+    def close(self) -> None:
+        """Abort what is unfinished."""
+        for stream in self.streams:
+            stream.close()
+
 
 class OpenAIServer:
     """The handlers behind the routes; a router or launcher can reuse the pieces."""
@@ -109,8 +114,7 @@ class OpenAIServer:
                 gen.timers.append(RequestTimer(self.metrics, arrival_s))
                 gen.prompt_tokens.append(len(prompt["prompt_token_ids"]))
         except BaseException as exc:
-            for stream in gen.streams:
-                stream.close()
+            gen.close()
             if isinstance(exc, ValueError):
                 raise bad_request(str(exc), param=param) from None
             if isinstance(exc, EngineOverloadedError):
@@ -158,8 +162,7 @@ class OpenAIServer:
         finally:
             for task in tasks:
                 task.cancel()  # a cancelled stream aborts its request
-            for stream in gen.streams:
-                stream.close()
+            gen.close()
 
     async def _deltas(self, gen: _Generation, token_ids: bool = False) -> AsyncIterator[Delta]:
         tracker = DeltaTracker(token_ids)
@@ -211,7 +214,7 @@ class OpenAIServer:
                 gen.usage,
                 body.include_usage,
                 self._count_error,
-                lambda: [stream.close() for stream in gen.streams],
+                gen.close,
             )
         await self._collect(request, gen)
         return fmt.body(self._final_deltas(gen), gen.usage())

@@ -56,7 +56,7 @@ class Result:
 
     @property
     def tpot_s(self) -> float | None:
-        if not self.ok or self.ttft_s is None or self.output_tokens < 2:
+        if not self.ok or self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
@@ -166,7 +166,7 @@ def summarize(label: str, mode: str, load: float, results: list[Result], seconds
     for name, values in (
         ("ttft", [r.ttft_s for r in done if r.ttft_s is not None]),
         ("tpot", [r.tpot_s for r in done if r.tpot_s is not None]),
-        ("e2e", [r.e2e_s for r in done]),
+        ("e2e", [r.e2e_s for r in done if r.e2e_s is not None]),
     ):
         for p in _PERCENTILES:
             row[f"{name}_p{p}_ms"] = float(np.percentile(values, p)) * 1e3 if values else None

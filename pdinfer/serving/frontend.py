@@ -42,15 +42,14 @@ def check_api_key(request: Request, api_key: str | None) -> None:
 def install_error_handlers(app: FastAPI, errors_counter) -> None:
     """``APIError`` and pydantic's validation errors answer in OpenAI's shape, counted by kind."""
 
+    @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         errors_counter.labels(kind=exc.code or exc.type).inc()
         return JSONResponse(exc.body(), status_code=exc.status_code)
 
+    @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return await on_api_error(request, protocol.validation_error(exc.errors()))
-
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_invalid)
 
 
 class PromptBuilder:

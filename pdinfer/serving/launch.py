@@ -154,8 +154,10 @@ def _children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
     return children
 
 
-def _die_with_parent() -> None:
-    try:  # Linux: the child gets SIGTERM when this process dies, even by SIGKILL
+def terminate_with_parent() -> None:
+    """A ``preexec_fn``: the child gets SIGTERM when the process that started it dies, even by
+    SIGKILL (Linux; elsewhere nothing), so no engine outlives its launcher."""
+    try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -171,7 +173,7 @@ def start_child(child: Child) -> None:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=terminate_with_parent,
             env=env.child_environ(),
         )
 

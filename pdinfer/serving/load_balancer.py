@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from pdinfer.core.block_manager import ROOT_HASH, chain_hash
@@ -143,7 +144,7 @@ class _Balancer:
     def __init__(self, engines: list[Engine]):
         self.engines = engines
 
-    def healthy(self, exclude: set[str] = frozenset()) -> list[Engine]:
+    def healthy(self, exclude: Container[str] = frozenset()) -> list[Engine]:
         return [e for e in self.engines if e.healthy and e.url not in exclude]
 
     def _stamp(self, engine: Engine) -> None:
@@ -153,7 +154,7 @@ class _Balancer:
 class DecodeBalancer(_Balancer):
     """Fewest in-flight requests, then fewest KV tokens."""
 
-    def candidates(self, exclude: set[str] = frozenset()) -> list[Engine]:
+    def candidates(self, exclude: Container[str] = frozenset()) -> list[Engine]:
         return sorted(self.healthy(exclude), key=lambda e: (e.in_flight, e.kv_tokens, e.last_pick))
 
     def assign(self, engine: Engine, num_tokens: int) -> Assignment:
@@ -181,18 +182,24 @@ class PrefillBalancer(_Balancer):
         for engine in engines:
             engine.prefix = PrefixIndex(prefix_capacity_blocks)
 
-    def pick(self, token_ids: list[int], exclude: set[str] = frozenset()) -> Assignment | None:
+    def pick(self, token_ids: list[int], exclude: Container[str] = frozenset()) -> Assignment | None:
         """Choose a PE for this prompt and charge it; None when no PE is healthy."""
         engines = self.healthy(exclude)
         if not engines:
             return None
         b, hashes = bucket_of(len(token_ids)), block_hashes(token_ids)
-        cached = {e.url: e.prefix.cached_tokens(hashes) for e in engines}
+        cached = {e.url: _prefix_of(e).cached_tokens(hashes) for e in engines}
         least = min(engines, key=lambda e: (e.queued_tokens[b], e.total_queued_tokens, e.last_pick))
         holder = max(engines, key=lambda e: (cached[e.url], -e.queued_tokens[b]))
         chosen = least
         if cached[holder.url] > 0 and holder.queued_tokens[b] <= least.queued_tokens[b] + self.prefix_tolerance_tokens:
             chosen = holder
         self._stamp(chosen)
-        chosen.prefix.add(hashes)
+        _prefix_of(chosen).add(hashes)
         return Assignment(chosen, len(token_ids) - cached[chosen.url], bucket=b)
+
+
+def _prefix_of(engine: Engine) -> PrefixIndex:
+    if engine.prefix is None:  # PrefillBalancer gives each of its engines one
+        raise RuntimeError(f"prefill engine {engine.url} has no prefix index")
+    return engine.prefix

@@ -219,7 +219,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def model_card(name: str, created: int, max_model_len: int) -> dict[str, Any]:
+def model_card(name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
+    """``max_model_len`` None: not known yet (a router before any engine reported it)."""
     return {"id": name, "object": "model", "created": created, "owned_by": "pdinfer", "max_model_len": max_model_len}
 
 

@@ -15,6 +15,7 @@ import time
 import torch
 
 from pdinfer.layers.attention.triton_paged import GpuAttentionMetadata, decode_num_splits
+from pdinfer.models.llama import LlamaForCausalLM
 from pdinfer.worker.cache_engine import CacheEngine
 from pdinfer.worker.gpu_input import GpuStep
 from pdinfer.worker.step_input import StepInput
@@ -25,7 +26,7 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, cache: CacheEngine, max_batch: int, max_blocks: int, num_sms: int):
+    def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, max_batch: int, max_blocks: int, num_sms: int):
         self.model = model
         self.cache = cache
         self.num_sms = num_sms

@@ -122,7 +122,7 @@ class GpuInputBuilder:
         i_clone = p.add(np.asarray(inp.clone_blocks, dtype=np.int64).reshape(-1, 2)) if inp.clone_blocks else None
 
         dev = p.ship(self.device)
-        if is_decode:
+        if prefill is None:  # a decode step
             splits = num_splits or decode_num_splits(num_seqs, self.num_kv_heads, int(ctx.max()), self.num_sms)
             meta = GpuAttentionMetadata(True, dev[i_slots], dev[i_bt], dev[i_ctx], num_splits=splits, num_tokens=padded)
         else:

@@ -107,7 +107,7 @@ class GpuStepRunner:
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         from pdinfer.worker.cuda_graph import CudaGraphRunner
 
-        cache = self.runner.cache
+        cache = self.runner.require_cache()
         max_blocks = -(-max_model_len // cache.block_size)
         self.graphs = CudaGraphRunner(self.model, cache, max_batch, max_blocks, self.num_sms)
         self.graphs.capture()
@@ -121,17 +121,19 @@ class GpuStepRunner:
 
     @torch.inference_mode()
     def _execute(self, inp: StepInput) -> PendingStepResult:
-        cache = self.runner.cache
-        bucket = self.graphs.bucket_for(inp) if self.graphs is not None else None
-        splits = self.graphs.num_splits(bucket) if bucket is not None else None
-        step = self.builder.build(inp, pad_to=bucket, num_splits=splits)
+        cache, graphs, builder = self.runner.require_cache(), self.graphs, self.builder
+        if builder is None:
+            raise RuntimeError("init_cache first")
+        bucket = graphs.bucket_for(inp) if graphs is not None else None
+        splits = graphs.num_splits(bucket) if graphs is not None and bucket is not None else None
+        step = builder.build(inp, pad_to=bucket, num_splits=splits)
         start = self._mark()
-        if step.clone_src is not None:
+        if step.clone_src is not None and step.clone_dst is not None:
             cache.kv.index_copy_(0, step.clone_dst, cache.kv.index_select(0, step.clone_src))
         if inp.num_tokens == 0:
             return PendingStepResult(inp.step_id, None)
-        if bucket is not None:
-            logits = self.graphs.run(step, self._fill_pending)
+        if graphs is not None and bucket is not None:
+            logits = graphs.run(step, self._fill_pending)
         else:
             self._fill_pending(step.input_ids, step)
             hidden = self.model(step.input_ids, step.positions, cache.kv, step.meta)
@@ -144,7 +146,7 @@ class GpuStepRunner:
         while len(self._recent) > 4:
             self._recent.popitem(last=False)
         result = PendingStepResult(inp.step_id, out)
-        if start is not None:
+        if start is not None and self.step_events is not None:
             self.step_events.append((start, self._mark()))
         return result
 
@@ -173,6 +175,8 @@ class GpuStepRunner:
 
     def _fill_pending_penalty(self, step: GpuStep) -> None:
         tokens = step.sampling.output_tokens
+        if tokens is None:  # no row has penalties, so none waits for a pending token there
+            return
         for step_id, row, col, index in step.pending_penalty:
             tokens[row, col] = self._recent_tokens(step_id)[index]
 

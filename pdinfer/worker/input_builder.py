@@ -82,7 +82,8 @@ def _native_input(inp: StepInput, block_size: int, kv_cache: torch.Tensor, kerne
 
 def _decode_groups(context_lens: list[int], max_tokens: int) -> list[list[int]]:
     order = sorted(range(len(context_lens)), key=lambda i: -context_lens[i])
-    groups, current = [], []
+    groups: list[list[int]] = []
+    current: list[int] = []
     for i in order:
         longest = context_lens[current[0]] if current else 0
         if current and (context_lens[i] < DECODE_GROUP_MIN_FILL * longest or (len(current) + 1) * longest > max_tokens):

@@ -11,6 +11,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -26,12 +27,23 @@ from pdinfer.worker.input_builder import build_attention_metadata, build_samplin
 from pdinfer.worker.sampler import Sampler, SamplerOutput
 from pdinfer.worker.step_input import StepInput, StepResult
 
+if TYPE_CHECKING:
+    from pdinfer.worker.gpu_runner import GpuStepRunner, PendingStepResult
+
 logger = logging.getLogger("pdinfer")
 
 PENDING_TOKEN = -2  # in a penalty token list: the token the previous step sampled
 # CPU: a prefill step runs as forwards over whole sequences of about this many tokens, so the
 # activations stay in the last-level cache (measured ~10% faster than one 8k-token forward).
 PREFILL_SUBBATCH_TOKENS = 2048
+
+
+class StepFuture(Protocol):
+    """A launched step: a ``Future``, or on CUDA a ``DeviceStepFuture`` around one."""
+
+    def result(self, timeout: float | None = None) -> StepResult: ...
+
+    def done(self) -> bool: ...
 
 
 class ModelRunner:
@@ -71,7 +83,7 @@ class ModelRunner:
         # scheduling feeds them to the next step before the host has seen them).
         self._recent: OrderedDict[int, torch.Tensor] = OrderedDict()
         # CUDA: Triton kernels, CUDA graphs, asynchronous results (pdinfer/worker/gpu_runner.py)
-        self.gpu = None
+        self.gpu: GpuStepRunner | None = None
         if device.type == "cuda":
             from pdinfer.worker.gpu_runner import GpuStepRunner
 
@@ -125,6 +137,12 @@ class ModelRunner:
             self.gpu.init_cache(self.cache)
         return self.cache
 
+    def require_cache(self) -> CacheEngine:
+        """``cache``, which ``init_cache`` must have made."""
+        if self.cache is None:
+            raise RuntimeError("init_cache first")
+        return self.cache
+
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode CUDA graphs (after the KV cache exists; CUDA only)."""
         if self.gpu is not None:
@@ -132,12 +150,12 @@ class ModelRunner:
 
     # --- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, inp: StepInput) -> StepResult:
-        assert self.cache is not None, "init_cache first"
+    def execute(self, inp: StepInput) -> StepResult | PendingStepResult:
+        cache = self.require_cache()
         if self.gpu is not None:
             return self.gpu.execute(inp)  # a PendingStepResult; DeviceStepFuture waits for it
-        self.cache.copy_blocks(inp.clone_blocks)
-        self.cache.copy_states(inp.clone_states)
+        cache.copy_blocks(inp.clone_blocks)
+        cache.copy_states(inp.clone_states)
         if inp.num_tokens == 0:
             return StepResult(step_id=inp.step_id, token_ids=[])
         input_ids = torch.tensor(inp.input_ids, dtype=torch.int64, device=self.device)
@@ -159,13 +177,14 @@ class ModelRunner:
 
     def _forward(self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits of the rows ``inp.samples`` name, in their order."""
-        meta = build_attention_metadata(inp, self.cache.kv, self.native_kernels)
+        kv = self.require_cache().kv
+        meta = build_attention_metadata(inp, kv, self.native_kernels)
         sample_rows = [s.row for s in inp.samples]
         if sample_rows == list(range(inp.num_tokens)):  # a decode step: every row is sampled
-            hidden = self.model(input_ids, positions, self.cache.kv, meta)
+            hidden = self.model(input_ids, positions, kv, meta)
         else:  # only the sampled rows leave the last layer
             rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-            hidden = self.model(input_ids, positions, self.cache.kv, meta, keep_rows=rows)
+            hidden = self.model(input_ids, positions, kv, meta, keep_rows=rows)
         return self.model.compute_logits(hidden)
 
     def _prefill_in_subbatches(self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -232,7 +251,7 @@ def _to_host(step_id: int, out: SamplerOutput) -> StepResult:
     result = StepResult(step_id=step_id, token_ids=out.token_ids.tolist())
     if out.logprobs is not None:
         result.logprobs = out.logprobs.tolist()
-    if out.top_ids is not None:
+    if out.top_ids is not None and out.top_logprobs is not None:  # set together
         result.top_ids = out.top_ids.tolist()
         result.top_logprobs = out.top_logprobs.tolist()
     return result
@@ -250,13 +269,14 @@ class _CallerStep(Future):
 
     def __init__(self, executor: StepExecutor, inp: StepInput):
         super().__init__()
-        self._executor, self._inp = executor, inp
+        self._executor = executor
+        self._inp: StepInput | None = inp  # None once run
 
     def run(self) -> None:
         if self.done():  # without the lock: the helper must not wait for the step running now
             return
         with self._executor._lock:  # steps and step-ordered calls never interleave
-            if self.done():
+            if self.done() or self._inp is None:
                 return
             try:
                 self.set_result(self._executor.runner.execute(self._inp))
@@ -297,12 +317,13 @@ class StepExecutor:
         self._lock = threading.Lock()
         self._last: _CallerStep | None = None
 
-    def launch(self, inp: StepInput) -> Future:
+    def launch(self, inp: StepInput) -> StepFuture:
         if self.forward_on_caller:
             if self._last is not None:
                 self._last.run()  # launch order is execution order
             self._last = _CallerStep(self, inp)
             return self._last
+        future: Future  # of a StepResult; on CUDA of a PendingStepResult
         if self._pool is not None:
             future = self._pool.submit(self._run, inp)
         else:
@@ -317,15 +338,15 @@ class StepExecutor:
             return DeviceStepFuture(future)  # result() also waits for the device
         return future
 
-    def overlap_with(self, step: Future | None, host_work):
+    def overlap_with(self, step: StepFuture | None, host_work):
         """``host_work()``'s result, computed while ``step`` (just launched) runs."""
-        if isinstance(step, _CallerStep) and not step.done():
+        if isinstance(step, _CallerStep) and not step.done() and self._pool is not None:
             helper = self._pool.submit(host_work)
             step.run()
             return helper.result()
         return host_work()
 
-    def _run(self, inp: StepInput) -> StepResult:
+    def _run(self, inp: StepInput) -> StepResult | PendingStepResult:
         with self._lock:
             return self.runner.execute(inp)
 

@@ -90,7 +90,9 @@ class Sampler:
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Repetition penalty over prompt and output (as in transformers / vLLM), then
     OpenAI-style frequency and presence penalties over the output."""
-    assert t.output_tokens is not None and t.prompt_tokens is not None
+    # The input builders set all five penalty tensors together.
+    assert t.output_tokens is not None and t.prompt_tokens is not None and t.repetition is not None
+    assert t.frequency is not None and t.presence is not None
     vocab = logits.shape[-1]
     counts = _token_counts(t.output_tokens, vocab)
     seen = (counts > 0) | (_token_counts(t.prompt_tokens, vocab) > 0)

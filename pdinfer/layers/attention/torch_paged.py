@@ -47,6 +47,8 @@ class TorchPagedAttention:
         if (native := meta.native) is not None:
             cpu_kernels.write_kv(native.kernel, layer_cache, meta.slot_rows, k, v)
             if meta.is_prompt:
+                if native.query_starts is None or native.query_lens is None:
+                    raise RuntimeError("native prefill metadata without query_starts / query_lens")
                 return cpu_kernels.prefill_attention(
                     native.kernel,
                     q,
@@ -76,6 +78,8 @@ class TorchPagedAttention:
             return self._decode(q, blocks, groups[0], meta.block_size)
         out = torch.empty_like(q)
         for group in groups:
+            if group.rows is None:  # only a lone group may cover all rows
+                raise RuntimeError("a decode group without rows among several")
             out.index_copy_(0, group.rows, self._decode(q.index_select(0, group.rows), blocks, group, meta.block_size))
         return out
 
