@@ -6,7 +6,8 @@ P/D router (``router``). A client sees the same shapes from both.
 - ``DeltaTracker``: cumulative choice state -> what is new since the last chunk;
 - ``ResponseFormat``: the completion / chat bodies and stream chunks of one request;
 - ``sse_response``: chunks -> ``data: ...`` events, usage, an error event, ``[DONE]``;
-- ``run_unless_disconnected``: a non-streamed answer whose client goes away is cancelled.
+- ``run_unless_disconnected``: a non-streamed answer whose client goes away is cancelled;
+- ``http_server``: the uvicorn server both run (uvicorn's access log only at DEBUG).
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -277,3 +280,12 @@ async def run_unless_disconnected(request: Request, awaitable):
         return task.result()
     finally:
         task.cancel()
+
+
+def http_server(app: FastAPI, host: str, port: int) -> uvicorn.Server:
+    """The uvicorn server of a front end; its own logging only when pdinfer's is at DEBUG."""
+    debug = logging.getLogger("pdinfer").getEffectiveLevel() <= logging.DEBUG
+    config = uvicorn.Config(
+        app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info" if debug else "warning"
+    )
+    return uvicorn.Server(config)

@@ -4,12 +4,9 @@ command starts without importing the web stack)."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from pdinfer.cli_args import positive_int, served_model_name
-
-logger = logging.getLogger("pdinfer")
 
 
 def add_router_parser(subparsers) -> None:
@@ -87,10 +84,9 @@ def add_router_parser(subparsers) -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from pdinfer import env
     from pdinfer.models.loader import load_tokenizer, resolve_model
+    from pdinfer.serving.frontend import http_server
     from pdinfer.serving.router import Router, RouterConfig, build_router_app
 
     try:
@@ -114,19 +110,12 @@ def run_router(args: argparse.Namespace) -> int:
     name = args.served_model_name or served_model_name(args.model)
     router = Router(config, name, tokenizer, hf_config.get("vocab_size"), hf_config.get("max_position_embeddings"))
     app = build_router_app(router)
-    level = logger.getEffectiveLevel()
-    uv_config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        timeout_graceful_shutdown=5,
-        log_level="info" if level <= logging.DEBUG else "warning",
-    )
+    server = http_server(app, args.host, args.port)
     print(
         f"pdinfer router: {name} on http://{args.host}:{args.port} ({len(config.prefill_urls)} "
         f"prefill, {len(config.decode_urls)} decode, {len(config.normal_urls)} normal)",
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.Server(uv_config).run()
+    server.run()
     return 0

@@ -72,10 +72,9 @@ def build_engine(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from pdinfer import env
     from pdinfer.serving import AsyncEngine, build_app
+    from pdinfer.serving.frontend import http_server
 
     if args.prefill_attempt_interval is not None:
         # The scheduler config reads the env snapshot when the engine is built: set it first.
@@ -95,21 +94,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if async_engine.role is EngineType.COMPLETION:
         logger.info("completion engine: K/V hand-offs arrive at %s", engine.kv_address)
     async_engine.start()
-    level = logger.getEffectiveLevel()
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        timeout_graceful_shutdown=5,
-        log_level="info" if level <= logging.DEBUG else "warning",
-    )
+    server = http_server(app, args.host, args.port)
     print(
         f"pdinfer serve: {name} ({async_engine.role.name}) on http://{args.host}:{args.port}",
         file=sys.stderr,
         flush=True,
     )
     try:
-        uvicorn.Server(config).run()
+        server.run()
     finally:
         async_engine.shutdown()
     return 0
