@@ -163,6 +163,20 @@ def test_prompt_engine_returns_an_empty_prefill_plan_when_idle():
     assert plan is not None and plan.prompt_run and plan.is_empty
 
 
+def test_prefill_scheduling_returns_none_only_for_normal_with_nothing_scheduled():
+    # DESIGN section 2: `_schedule_prefill` returns None only for NORMAL with nothing scheduled
+    # and nothing ignored; a PE gets an empty prefill plan instead.
+    normal, prompt = make(NORMAL, num_blocks=2), make(PROMPT, num_blocks=2)
+    assert normal._schedule_prefill() is None  # nothing waiting
+    plan = prompt._schedule_prefill()
+    assert plan is not None and plan.prompt_run and plan.is_empty
+    for sched in (normal, prompt):  # a prompt that needs 3 blocks of the 2: waits, not ignored
+        sched.add_sequence(seq_of(10))
+    assert normal._schedule_prefill() is None
+    plan = prompt._schedule_prefill()
+    assert plan is not None and plan.is_empty and not plan.ignored_seqs
+
+
 def test_completion_engine_only_decodes():
     sched = make(COMPLETION)
     sched.add_sequence(seq_of(5))  # a CE never prefills, even with a waiting sequence

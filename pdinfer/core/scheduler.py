@@ -162,7 +162,10 @@ class Scheduler:
             case EngineType.PROMPT:
                 # A PE has no decode channel: even with nothing waiting it returns an (empty)
                 # prefill plan, so the caller never falls through to decode.
-                return self._schedule_prefill()
+                plan = self._schedule_prefill()
+                if plan is None:
+                    raise RuntimeError("_schedule_prefill returned None for a PROMPT engine")
+                return plan
             case EngineType.COMPLETION:
                 return self._schedule_decode()
             case EngineType.NORMAL:
@@ -189,8 +192,6 @@ class Scheduler:
         if not do_prefill:
             return self._decode_step()
         outputs = self._schedule_prefill() if want else None
-        if outputs is not None and not (outputs.scheduled_seqs or outputs.ignored_seqs):
-            outputs = None  # nothing was schedulable here
         # Second vote: "want" does not guarantee anything was schedulable (max_num_seqs full, no
         # blocks). If nobody scheduled, everyone decodes -- otherwise "running full + waiting"
         # would loop on empty prefill steps forever.
@@ -206,7 +207,7 @@ class Scheduler:
         self.decode_step += 1
         return self._schedule_decode()
 
-    def _schedule_prefill(self) -> SchedulerOutputs:
+    def _schedule_prefill(self) -> SchedulerOutputs | None:
         cfg, bm = self.config, self.block_manager
         outputs = SchedulerOutputs(prompt_run=True)
         budget = cfg.max_num_batched_tokens
@@ -263,7 +264,9 @@ class Scheduler:
                 is_chunked = True
             if is_chunked and self.engine_type is EngineType.NORMAL:
                 break  # NORMAL keeps the step short: the next one may be a decode step
-        return outputs
+        if self.engine_type is not EngineType.NORMAL or outputs.scheduled_seqs or outputs.ignored_seqs:
+            return outputs
+        return None  # NORMAL with nothing scheduled: _schedule_normal decides
 
     def _schedule_decode(self) -> SchedulerOutputs:
         cfg, bm = self.config, self.block_manager
