@@ -163,6 +163,17 @@ def set_role_default(name: str, value: str) -> None:
         _role_defaults[name] = value
 
 
+def set_parent_death_signal(sig: int) -> None:
+    """Linux: this process gets ``sig`` when its parent dies, even by SIGKILL (PR_SET_PDEATHSIG),
+    so no child pdinfer starts outlives its launcher; elsewhere nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def child_environ(extra: dict[str, str] | None = None) -> dict[str, str]:
     """``os.environ`` for a child process, without the role defaults pdinfer exported itself.
 

@@ -16,7 +16,6 @@ error report to the front, which restarts the group.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -26,6 +25,7 @@ import time
 import msgspec
 import zmq
 
+from pdinfer import env as pdinfer_env
 from pdinfer.distributed.messages import (
     AbortRequest,
     AddRequest,
@@ -51,11 +51,7 @@ HEARTBEAT_INTERVAL_S = 0.5
 
 def die_with_parent(parent_pid: int) -> None:
     """A rank must not outlive its launcher (no orphans holding memory and ports)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the front-silence timeout still applies
-        pass
+    pdinfer_env.set_parent_death_signal(signal.SIGKILL)  # not Linux: the front-silence timeout applies
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 

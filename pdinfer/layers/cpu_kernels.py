@@ -190,10 +190,8 @@ def paged_decode(
     ``kv_strides``. A bfloat16 q is widened to float32 for the kernel, and its output rounded
     back."""
     batch, heads, dim = q.shape
-    kv_heads = layer_cache.shape[3]
-    kv_bf16 = _kv_bf16(layer_cache)
-    q32 = _head_rows(q.float())
-    out = torch.empty(batch, heads, dim, dtype=torch.float32, device=q.device)
+    kv_heads, kv_bf16 = layer_cache.shape[3], _kv_bf16(layer_cache)
+    q32, out = _float32_io(q)
     lib.pd_paged_decode(
         layer_cache.data_ptr(),
         q32.data_ptr(),
@@ -249,11 +247,9 @@ def prefill_attention(
     """Causal attention of a prefill step's queries q [T, H, D] (rows may be strided) over each
     sequence's context in the cache, its new K/V already written -> out [T, H, D] in q's dtype
     (float32 arithmetic, as ``paged_decode``)."""
-    tokens, heads, dim = q.shape
-    kv_heads = layer_cache.shape[3]
-    kv_bf16 = _kv_bf16(layer_cache)
-    q32 = _head_rows(q.float())
-    out = torch.empty(tokens, heads, dim, dtype=torch.float32, device=q.device)
+    _, heads, dim = q.shape
+    kv_heads, kv_bf16 = layer_cache.shape[3], _kv_bf16(layer_cache)
+    q32, out = _float32_io(q)
     lib.pd_prefill_attention(
         layer_cache.data_ptr(),
         strides.data_ptr(),
@@ -274,6 +270,12 @@ def prefill_attention(
         kv_bf16,
     )
     return out.to(q.dtype)
+
+
+def _float32_io(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention kernels' float32 queries (head rows, as ``_head_rows``) and a float32 output
+    of q's shape; the callers round the output back to q's dtype."""
+    return _head_rows(q.float()), torch.empty(q.shape, dtype=torch.float32, device=q.device)
 
 
 def _head_rows(x: torch.Tensor) -> torch.Tensor:

@@ -155,14 +155,8 @@ def _children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
 
 
 def terminate_with_parent() -> None:
-    """A ``preexec_fn``: the child gets SIGTERM when the process that started it dies, even by
-    SIGKILL (Linux; elsewhere nothing), so no engine outlives its launcher."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    """A ``preexec_fn``: the child gets SIGTERM when the process that started it dies."""
+    env.set_parent_death_signal(signal.SIGTERM)
 
 
 def start_child(child: Child) -> None:
