@@ -4,6 +4,7 @@ same GGUF file on its own (its own dequantization and Q/K un-permutation), in fl
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import pytest
@@ -97,3 +98,46 @@ def assert_blocks_back(engine):
     assert engine.get_num_free_blocks() == engine.num_blocks, (
         f"{engine.num_blocks - engine.get_num_free_blocks()} KV blocks leaked"
     )
+
+
+# --- the DP tests (test_dp*.py) --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A tiny random-weight Llama (``load_format="dummy"``) with the real tokenizer: (model
+    folder, tokenizer). Used by the DP tests."""
+    from dp_helpers import TINY_CONFIG
+
+    from pdinfer import env
+    from pdinfer.models.loader import resolve_model
+
+    folder = tmp_path_factory.mktemp("tiny")
+    (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
+    tokenizer, _ = resolve_model(None, env.get("PDINFER_CACHE_DIR"))
+    return str(folder), tokenizer
+
+
+# --- the OpenAI server tests (test_api_server*.py): one reference LLM per module -------------------
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 512
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def reference_llm():
+    """The server tests' reference: an `LLM` in this process (checked against transformers in
+    test_correctness), one per module: the AsyncEngine tests break theirs on purpose."""
+    return make_llm(max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def greedy_texts(reference_llm):
+    """LLM greedy text of PROMPTS at 8 and 12 tokens, and of CHAT at 16."""
+    from pdinfer import SamplingParams
+
+    texts = {}
+    for n in (8, 12):
+        outs = reference_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=n), use_tqdm=False)
+        texts[n] = [o.outputs[0].text for o in outs]
+    chat = reference_llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    texts["chat"] = chat[0].outputs[0].text
+    return texts

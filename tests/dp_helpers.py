@@ -1,4 +1,4 @@
-"""Helpers of tests/test_dp.py: a tiny model, a client of the DP front, process checks."""
+"""Helpers of the DP tests (tests/test_dp*.py): a tiny model, a client of the DP front, process checks."""
 
 from __future__ import annotations
 

@@ -1,107 +1,39 @@
 """The OpenAI-compatible server, end to end: a real `pdinfer serve` process and the real `openai`
 client. The reference for text is `LLM` greedy output in this process (itself checked against
-transformers in test_correctness). The last tests drive `AsyncEngine` in process, on that same
-engine, for what a subprocess cannot show (overload, a loop that dies)."""
+transformers in test_correctness): completions, chat, sampling options, bad requests, many
+concurrent streams, client disconnects and metrics. `AsyncEngine` in process is in
+test_api_server_async_engine.py."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from conftest import PROMPTS, make_llm
+from conftest import CHAT, MAX_MODEL_LEN, MODEL, PROMPTS
+from servers import Server
 
 from pdinfer import SamplingParams
-from pdinfer.env import child_environ
-from pdinfer.serving import AsyncEngine, EngineDeadError, build_app
-from pdinfer.serving.launch import terminate_with_parent
 
-MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "sk-test"
-MAX_MODEL_LEN = 512
-STARTUP_TIMEOUT_S = 600
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pdinfer_command() -> list[str]:
-    script = Path(sys.executable).with_name("pdinfer")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "pdinfer.cli"]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = pdinfer_command() + [
-        "serve",
-        "--port",
-        str(port),
-        "--api-key",
-        API_KEY,
-        "--kv-cache-memory",
-        "512MiB",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-    ]
-    env = child_environ({"PDINFER_LOG_LEVEL": "WARNING"})
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=terminate_with_parent)
-    url = f"http://127.0.0.1:{port}"
+    args = ["serve", "--api-key", API_KEY, "--kv-cache-memory", "512MiB", "--max-model-len", str(MAX_MODEL_LEN)]
+    process = Server(args, tmp_path_factory.mktemp("serve") / "serve.log")
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"pdinfer serve exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"pdinfer serve did not become healthy:\n{log_path.read_text()}")
-            time.sleep(0.5)
-        yield url
+        process.start()
+        yield process.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        process.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=600)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return make_llm(max_model_len=MAX_MODEL_LEN)
-
-
-@pytest.fixture(scope="module")
-def greedy_texts(llm):
-    """LLM greedy text of PROMPTS at 8 and 12 tokens, and of CHAT at 16."""
-    texts = {}
-    for n in (8, 12):
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=n), use_tqdm=False)
-        texts[n] = [o.outputs[0].text for o in outs]
-    chat = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
-    texts["chat"] = chat[0].outputs[0].text
-    return texts
 
 
 def kv(server) -> dict:
@@ -135,13 +67,13 @@ def test_completions_greedy_equal_llm(client, greedy_texts):
     assert [c.text for c in batch.choices] == [greedy_texts[12][2], greedy_texts[12][5]]
 
 
-def test_return_token_ids_gives_llm_tokens_whole_and_streamed(client, llm):
+def test_return_token_ids_gives_llm_tokens_whole_and_streamed(client, reference_llm):
     """vLLM's ``return_token_ids`` extra: each choice also lists its token ids (what a client
     without the tokenizer compares), in the whole answer and across stream chunks."""
     ids = [PROMPTS[3], [5, 17, 400, 9000, 33]]  # a text prompt and a token-id prompt
     expected = [
         o.outputs[0].token_ids
-        for o in llm.generate(
+        for o in reference_llm.generate(
             [ids[0], {"prompt_token_ids": ids[1]}],
             SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
             use_tqdm=False,
@@ -333,93 +265,3 @@ def test_metrics_expose_the_names(server):
     ):
         assert name in text, name
     assert "pdinfer_engine_healthy 1.0" in text
-
-
-# --- AsyncEngine in process (on the reference LLM's engine, once the references exist) ------------
-@pytest.fixture(scope="module")
-def async_engine(llm, greedy_texts):
-    engine = AsyncEngine(llm.engine, max_waiting=2)
-    engine.start()
-    yield engine
-    engine.shutdown()
-
-
-def test_async_generate_streams_and_abort_frees_blocks(async_engine, greedy_texts):
-    greedy = SamplingParams(temperature=0.0, max_tokens=8)
-
-    async def run() -> tuple[str, int]:
-        async for out in async_engine.generate("a-1", PROMPTS[1], greedy):
-            text = out.outputs[0].text
-        seen = 0
-        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-        async for _ in async_engine.generate("a-2", PROMPTS[2], long):
-            seen += 1
-            if seen == 2:
-                break  # the generator closes: the request is aborted
-        with pytest.raises(ValueError, match="prompt token ids"):
-            await async_engine.add_request("a-3", [10**9], greedy)
-        return text, seen
-
-    text, seen = asyncio.run(run())
-    assert text == greedy_texts[8][1] and seen == 2
-    deadline = time.monotonic() + 60
-    while async_engine.stats.num_free_blocks != async_engine.stats.num_total_blocks:
-        assert time.monotonic() < deadline, async_engine.stats
-        time.sleep(0.05)
-    assert async_engine.stats.num_requests == 0
-
-
-async def until(condition, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
-def test_overload_answers_503(async_engine):
-    app = build_app(async_engine, MODEL)
-    long = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 60, "ignore_eos": True}
-
-    async def run() -> list[int]:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            first = asyncio.ensure_future(http.post("/v1/completions", json=long, timeout=600))
-            await until(lambda: async_engine.stats.num_running == 1)
-            steps = async_engine.stats.num_steps
-            await until(lambda: async_engine.stats.num_steps > steps)  # it is decoding now
-            # Two more queue behind it (a NORMAL engine prefills them only at its next prefill
-            # point, 70 decode steps on); with max_waiting=2 a fourth is refused.
-            short = {**long, "max_tokens": 2}
-            queued = [asyncio.ensure_future(http.post("/v1/completions", json=short, timeout=600)) for _ in range(2)]
-            await until(lambda: async_engine.num_waiting() == 2)
-            refused = await http.post("/v1/completions", json=long, timeout=600)
-            assert refused.json()["error"]["code"] == "overloaded"
-            done = await asyncio.gather(first, *queued)
-            return [refused.status_code] + [r.status_code for r in done]
-
-    assert asyncio.run(run()) == [503, 200, 200, 200]
-
-
-def test_a_dead_loop_fails_requests_and_health(async_engine):
-    """Must run last in this module: it kills the loop thread on purpose."""
-
-    def broken_step():
-        raise RuntimeError("injected step failure")
-
-    async_engine.engine.step = broken_step  # fault injection into the engine, not the code tested
-    app = build_app(async_engine, MODEL)
-
-    async def run():
-        with pytest.raises(EngineDeadError, match="injected"):
-            async for _ in async_engine.generate("dead-1", PROMPTS[0], SamplingParams(max_tokens=4)):
-                pass
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            health = await http.get("/health")
-            refused = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
-        return health, refused
-
-    health, refused = asyncio.run(run())
-    assert not async_engine.is_healthy
-    assert health.status_code == 503 and "injected" in health.json()["error"]
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"

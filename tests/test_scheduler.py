@@ -1,69 +1,25 @@
-"""Scheduler unit tests: no model, no torch. Every expectation is worked out by hand."""
+"""Scheduler unit tests: no model, no torch. Every expectation is worked out by hand.
+Config, prefill (token budget, chunking, the roles), decode and preemption; forks are in
+test_scheduler_forks.py, the prefill vote in test_scheduler_vote.py."""
 
 from __future__ import annotations
 
 import sys
-import threading
 
 import pytest
+from scheduler_helpers import (
+    COMPLETION,
+    NORMAL,
+    PROMPT,
+    assert_all_blocks_free,
+    finish_all,
+    land_tokens,
+    make,
+    seq_of,
+)
 
 from pdinfer.config import SchedulerConfig
-from pdinfer.core.block_manager import BlockManager
-from pdinfer.core.scheduler import Scheduler
-from pdinfer.engine_type import EngineType
-from pdinfer.sampling_params import SamplingParams
-from pdinfer.sequence import Sequence, SequenceStatus
-
-NORMAL, PROMPT, COMPLETION = EngineType.NORMAL.value, EngineType.PROMPT.value, EngineType.COMPLETION.value
-
-
-def make(engine_type=NORMAL, num_blocks=64, block_size=4, dp_group=None, **cfg):
-    cfg.setdefault("max_num_batched_tokens", 64)
-    cfg.setdefault("max_num_seqs", 8)
-    cfg.setdefault("max_model_len", 64)
-    cfg.setdefault("stop_preempted_request", engine_type == COMPLETION)
-    config = SchedulerConfig(engine_type=engine_type, **cfg)
-    return Scheduler(config, BlockManager(num_blocks, block_size), dp_group)
-
-
-_distinct = iter(range(1000, 10**9, 1000))
-
-
-def seq_of(n: int, rid: str = "r", max_tokens: int = 100) -> Sequence:
-    """A prompt of n tokens sharing no prefix with any other (no accidental cache hits)."""
-    start = next(_distinct)
-    return Sequence(
-        request_id=rid,
-        prompt_token_ids=list(range(start, start + n)),
-        sampling_params=SamplingParams(),
-        seed=0,
-        max_tokens=max_tokens,
-    )
-
-
-def land_tokens(sched: Scheduler, plan) -> None:
-    """What the engine does when a step's sampled tokens arrive."""
-    for seq, do_sample in zip(plan.scheduled_seqs, plan.do_sample):
-        if do_sample:
-            seq.num_pending_tokens -= 1
-            seq.append_token(7)
-
-
-def finish_all(sched: Scheduler):
-    """Finish every running sequence; the next plan carries them and frees their blocks (as
-    the engine's finalize_seq does). Returns that plan, which may schedule new work."""
-    for seq in list(sched.running):
-        seq.finish(SequenceStatus.FINISHED_STOPPED)
-        sched.finish_seq(seq)
-    plan = sched.schedule()
-    for seq in plan.finished_seqs:
-        sched.free_seq(seq)
-    return plan
-
-
-def assert_all_blocks_free(sched: Scheduler) -> None:
-    bm = sched.block_manager
-    assert bm.num_free_blocks == bm.num_total_blocks
+from pdinfer.sequence import SequenceStatus
 
 
 # --- config -----------------------------------------------------------------------------------
@@ -253,189 +209,3 @@ def test_a_sequence_at_its_output_limit_is_not_scheduled():
     land_tokens(sched, sched.schedule())
     finish_all(sched)
     assert_all_blocks_free(sched)
-
-
-# --- fork_seq ---------------------------------------------------------------------------------------
-def test_fork_shares_blocks_and_copies_the_partial_block_before_writing():
-    sched = make()
-    parent = seq_of(6)
-    sched.add_sequence(parent)
-    land_tokens(sched, sched.schedule())  # 6 computed, 7 tokens
-    bm = sched.block_manager
-    free_before = bm.num_free_blocks
-    fork = sched.fork_seq(parent, replace_last_token_id=99)
-    assert bm.num_free_blocks == free_before  # shared, not copied yet
-    assert fork.token_ids[-1] == 99 and fork.num_computed_tokens == 6
-    assert sched.prompted[0] == (fork, True)
-    plan = sched.schedule()
-    # block 1 holds positions 4..7 and is shared: the fork gets a copy before it writes 6
-    assert plan.clone_blocks == [(parent.block_table[1], fork.block_table[1])]
-    assert set(plan.scheduled_seqs) == {parent, fork}
-    land_tokens(sched, plan)
-    finish_all(sched)
-    assert_all_blocks_free(sched)
-
-
-def test_fork_with_an_incomplete_prefix_goes_back_to_waiting():
-    sched = make(chunked_prefill=True, max_num_batched_tokens=4)
-    parent = seq_of(10)
-    sched.add_sequence(parent)
-    land_tokens(sched, sched.schedule())  # 4 of 10 computed
-    fork = sched.fork_seq(parent)
-    assert sched.waiting[0] is fork
-    with pytest.raises(ValueError, match="computed prefix"):
-        sched.fork_seq(seq_of(3))
-
-
-def test_fork_with_explicit_blocks_is_decoded_without_prefill():
-    sched = make(COMPLETION)
-    source = seq_of(6)
-    source.num_computed_tokens, source.token_ids = 6, source.token_ids + [50]
-    blocks = sched.block_manager.allocate_blocks(2)
-    fork = sched.fork_seq(source, blocks=blocks)
-    assert fork.block_table == blocks
-    plan = sched.schedule()
-    assert not plan.prompt_run and plan.scheduled_seqs == [fork] and plan.clone_blocks == []
-    with pytest.raises(ValueError, match="allocated KV blocks"):
-        sched.fork_seq(source, blocks=[])
-    land_tokens(sched, plan)
-    finish_all(sched)
-    assert_all_blocks_free(sched)
-
-
-# --- the NORMAL vote (single process) ------------------------------------------------------------
-def _step_types(sched, steps, arrivals=None):
-    types = []
-    for i in range(steps):
-        for seq in (arrivals or {}).get(i, []):
-            sched.add_sequence(seq)
-        plan = sched.schedule()
-        types.append("P" if plan.prompt_run else ("D" if plan.scheduled_seqs else "-"))
-        land_tokens(sched, plan)
-    return "".join(types)
-
-
-def test_prefill_only_at_attempt_points_while_decoding():
-    sched = make(prefill_attempt_interval=3, prefill_any_attempt_interval=5)
-    # step 0: a arrives, nothing runs -> prefill at once (and decode_step 0 right after a
-    # prefill is an ALL point again). b arrives at step 2 while a decodes: decode_step counts
-    # 1, 2, 3 -> the ALL point after three decode steps prefills b.
-    types = _step_types(sched, 7, {0: [seq_of(4, "a")], 2: [seq_of(4, "b")]})
-    assert types == "PDDDPDD"
-
-
-def test_running_full_and_waiting_does_not_loop_on_empty_prefills():
-    sched = make(max_num_seqs=1, prefill_attempt_interval=1, prefill_any_attempt_interval=1)
-    types = _step_types(sched, 6, {0: [seq_of(4, "a"), seq_of(4, "b")]})
-    # b can never be scheduled while a runs; every step is a vote point, yet all are decodes.
-    assert types == "PDDDDD"
-
-
-def test_an_idle_engine_prefills_at_once():
-    sched = make(prefill_attempt_interval=50, prefill_any_attempt_interval=60)
-    assert _step_types(sched, 3, {2: [seq_of(4, "a")]}) == "--P"
-
-
-def test_kv_watermark_blocks_prefill():
-    sched = make(num_blocks=4, prefill_attempt_interval=1, prefill_any_attempt_interval=1, prefill_kv_watermark=0.5)
-    types = _step_types(sched, 3, {0: [seq_of(12, "a")], 1: [seq_of(2, "b")]})
-    # a holds 3 of 4 blocks (75% > 50%): b is not prefilled while a runs
-    assert types == "PDD"
-
-
-# --- the NORMAL vote across ranks (threads stand in for processes) --------------------------------
-class ThreadGroup:
-    """A real MIN all-reduce between threads (the DPGroup interface), one instance per rank."""
-
-    def __init__(self, shared, rank, size):
-        self.shared, self.rank, self.size = shared, rank, size
-
-    def all_reduce_min(self, values):
-        barrier, slots = self.shared
-        slots[self.rank] = list(values)
-        barrier.wait()
-        result = [min(column) for column in zip(*slots)]
-        barrier.wait()
-        return result
-
-
-def _run_ranks(arrivals_per_rank, steps, **cfg):
-    size = len(arrivals_per_rank)
-    shared = (threading.Barrier(size), [None] * size)
-    scheds = [make(dp_group=ThreadGroup(shared, r, size), **cfg) for r in range(size)]
-    logs = [None] * size
-
-    def run(rank):
-        logs[rank] = _step_types(scheds[rank], steps, arrivals_per_rank[rank])
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    return logs
-
-
-def _kinds(log):
-    return log.replace("-", "D")  # an empty decode step is still a decode step
-
-
-def test_ranks_take_identical_step_types_with_uneven_arrivals():
-    cfg = dict(prefill_attempt_interval=2, prefill_any_attempt_interval=3)
-    rank0 = {0: [seq_of(4, "a")], 1: [seq_of(4, "b"), seq_of(4, "c")], 4: [seq_of(4, "d")]}
-    rank1 = {}
-    logs = _run_ranks([rank0, rank1], 12, **cfg)
-    assert _kinds(logs[0]) == _kinds(logs[1])
-    # rank 1 has nothing: it runs companion empty prefill steps alongside rank 0
-    assert "P" in logs[0]
-
-
-def test_a_lone_request_on_one_rank_is_prefilled_by_the_any_point():
-    cfg = dict(prefill_attempt_interval=2, prefill_any_attempt_interval=3)
-    # both ranks decode; rank 1 gets a request while rank 0 does not want to prefill: ALL
-    # points fail, the ANY point (decode_step 3) lets it in.
-    rank0 = {0: [seq_of(4, "a")]}
-    rank1 = {0: [seq_of(4, "x")], 1: [seq_of(4, "lonely")]}
-    logs = _run_ranks([rank0, rank1], 6, **cfg)
-    # step 1 is an ALL point (right after a prefill) that fails; 2 and 3 are not ANY points;
-    # at decode_step 3 the ANY point prefills "lonely" and rank 0 runs an empty prefill step.
-    assert _kinds(logs[0]) == _kinds(logs[1]) == "PDDDPD"
-
-
-# --- state slots (models with per-sequence state) ------------------------------------------------
-def test_forks_clone_their_state_slot_and_slots_come_back():
-    from pdinfer.core.state_manager import StateManager
-
-    sm = StateManager(4)
-    sched = Scheduler(
-        SchedulerConfig(engine_type=NORMAL, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64),
-        BlockManager(64, 4),
-        state_manager=sm,
-    )
-    parent = seq_of(6)
-    sched.add_sequence(parent)
-    land_tokens(sched, sched.schedule())
-    assert parent.state_id >= 0 and sm.num_free_slots == 3
-    fork = sched.fork_seq(parent, replace_last_token_id=3)
-    assert fork.state_id == -1  # gets its own slot when it joins running
-    plan = sched.schedule()
-    assert fork.state_id not in (-1, parent.state_id)
-    assert plan.clone_states == [(parent.state_id, fork.state_id)]
-    land_tokens(sched, plan)
-    finish_all(sched)
-    assert sm.num_free_slots == 4
-    assert_all_blocks_free(sched)
-
-
-def test_cache_engine_clones_state_slots():
-    import torch
-
-    from pdinfer.models.presets import PRESETS
-    from pdinfer.models.spec import ModelSpec
-    from pdinfer.worker.cache_engine import CacheEngine
-
-    cache = CacheEngine(ModelSpec.from_hf_config(PRESETS["smollm2-135m"]), 2, 4, torch.float32, torch.device("cpu"))
-    cache.init_states(3, (5,))
-    cache.states[0] = torch.arange(5.0)
-    cache.copy_states([(0, 2)])
-    assert torch.equal(cache.states[2], torch.arange(5.0)) and cache.states[1].sum() == 0

@@ -1,0 +1,105 @@
+"""Data parallelism without a front: the replica load balancer scored by hand, the output deltas
+the ranks send, the rendezvous store, and a collective between two real processes whose peer
+dies or hangs (gloo on CPU)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from dp_helpers import WAIT_S
+
+from pdinfer.distributed.messages import OutputDecoder, OutputEncoder
+from pdinfer.distributed.replica_lb import ReplicaLoadBalancer
+from pdinfer.outputs import CompletionOutput, RequestOutput
+
+
+# --- pure pieces ---------------------------------------------------------------------------------
+def test_load_balancer_scores_by_hand():
+    lb = ReplicaLoadBalancer(2, kv_token_weight=0.25, request_weight_tokens=16)
+    assert [lb.choose(10) for _ in range(2)] == [0, 1]  # idle: round robin
+    lb.assign("a", 0, 100)  # rank 0: 100 queued prompt tokens
+    assert lb.choose(10) == 1
+    lb.assign("b", 1, 40)
+    lb.progress("b", 1)  # b decodes: 0.25 * 41 + 16 = 26.25 < 100
+    assert lb.score(1) == pytest.approx(26.25)
+    assert lb.choose(10) == 1
+    lb.progress("a", 1)  # a decodes too: 0.25 * 101 + 16 = 41.25 > 26.25
+    assert lb.choose(10) == 1
+    lb.set_capacity(1, 50)  # rank 1 holds 41 KV tokens of 50: a 10-token prompt does not fit
+    assert lb.choose(10) == 0
+    lb.release("a")
+    lb.release("b")
+    assert lb.score(0) == lb.score(1) == 0
+
+
+def test_output_deltas_round_trip_with_a_trimmed_stop_string():
+    enc, dec = OutputEncoder(), OutputDecoder()
+    texts = [("Hello wor", [1, 2]), ("Hello world STO", [1, 2, 3, 4]), ("Hello world", [1, 2, 3, 4])]
+    for i, (text, tokens) in enumerate(texts):
+        last = i == len(texts) - 1
+        out = RequestOutput(
+            "r", None, [5], [CompletionOutput(0, text, tokens, finish_reason="stop" if last else None)], finished=last
+        )
+        dec.apply(enc.encode(out))
+        assert [(c.text, c.token_ids) for c in dec.snapshot()] == [(text, tokens)]
+
+
+_GROUP_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from pdinfer.distributed.dp_group import TorchDPGroup, DPGroupError
+    rank, port, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    group = TorchDPGroup(rank, 2, "127.0.0.1", port, timeout_s=3.0)
+    group.join(120)
+    print("min", group.all_reduce_min([rank, 5 - rank]), flush=True)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL if how == "die" else signal.SIGSTOP)
+    try:
+        for _ in range(1000):
+            group.all_reduce_min([0])
+            time.sleep(0.01)
+    except DPGroupError as exc:
+        print("failed:", exc, flush=True)
+        # As dp_rank.py does: skip interpreter teardown, where gloo, destroying a pair whose
+        # receive timed out, sometimes aborts (SIGABRT) after the error was raised and reported.
+        os._exit(3)
+""")
+
+
+def test_the_rendezvous_store_listens_on_its_host_only():
+    """TCPStore's own server listens on every interface; ours is bound to the host given
+    (127.0.0.2 is loopback too, so a store on every interface would answer there)."""
+    import socket
+
+    from pdinfer.distributed.dp_group import host_store
+
+    store = host_store("127.0.0.1")
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.connect(("127.0.0.2", store.port))
+    with socket.socket() as s:
+        s.connect(("127.0.0.1", store.port))
+
+
+@pytest.mark.parametrize("how", ["die", "hang"])
+def test_a_collective_with_a_dead_or_stuck_peer_fails_within_the_group_timeout(how):
+    from pdinfer.distributed.dp_group import host_store
+
+    store = host_store("127.0.0.1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _GROUP_SCRIPT, str(r), str(store.port), how], stdout=subprocess.PIPE, text=True
+        )
+        for r in range(2)
+    ]
+    try:
+        out, _ = procs[0].communicate(timeout=WAIT_S)  # a hang here fails the test
+        assert "min [0, 4]" in out
+        assert procs[0].returncode == 3 and "failed: DP rank 0/2: all-reduce failed" in out
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
