@@ -55,7 +55,7 @@ logger = logging.getLogger("pdinfer")
 
 # The C++ sources, compiled together into one library, and the header they share.
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "quant_gemm.cpp", "decode_stack.cpp")]
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile.h")]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile.h", "parallel.h")]
 
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include "parallel.h"
 #include "tile.h"
 
 // Work below this many elements runs on the calling thread: waking the pool costs more than
@@ -223,41 +224,42 @@ static void paged_decode(const T* kv, const float* q, float* out, const int64_t*
     const int64_t len = lens[i / (split * chunks)], nb = (len + bs - 1) / bs, per = (nb + chunks - 1) / chunks;
     return std::max<int64_t>(0, std::min(len, (i % chunks + 1) * per * bs) - first_block(i) * bs);
   };
-  // Split the items into contiguous runs of about equal total length, one run per thread.
-  std::vector<int64_t> bounds{0};
-  int64_t work = 0, done = 0;
+  int64_t work = 0;
   for (int64_t i = 0; i < items; i++) work += tokens(i);
-  const int64_t runs = work * nh * dim < kSerialElems ? 1 : std::max<int64_t>(1, std::min(threads, items));
-  for (int64_t i = 0; i < items && (int64_t)bounds.size() < runs; i++) {
-    done += tokens(i);
-    if (done * runs >= work * (int64_t)bounds.size()) bounds.push_back(i + 1);
-  }
-  while ((int64_t)bounds.size() <= runs) bounds.push_back(items);
-  bounds.back() = items;
   const int64_t rows = nh * group;  // query heads of an item
   // Per chunk and query head: its normalized output, and (max, sum); an empty chunk keeps
   // (-inf, 0) and zeros, so it weighs nothing in the merge.
   std::vector<float> parts(chunks > 1 ? items * rows * dim : 0), stats(chunks > 1 ? items * rows * 2 : 0);
   for (size_t i = 0; i < stats.size(); i += 2) stats[i] = -INFINITY;
-  at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
+  auto run_item = [&](int64_t i, float* scores, float* acc) {
+    const int64_t len = tokens(i);
+    if (len == 0) return;
+    const int64_t b = i / (split * chunks), h0 = ((i / chunks) % split) * nh;
+    const float* qi = q + b * q_stride + h0 * group * dim;
+    float* oi = chunks > 1 ? parts.data() + i * rows * dim : out + (b * kv_heads + h0) * group * dim;
+    float* st = chunks > 1 ? stats.data() + i * rows * 2 : nullptr;
+    const int64_t* ti = tables + b * max_blocks + first_block(i);
+    if (dim == 64)
+      decode_item<64, T>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores, acc, st);
+    else if (dim == 128)
+      decode_item<128, T>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores, acc, st);
+    else
+      decode_item<0, T>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores, acc, st);
+  };
+  // Longest items first, handed out one at a time (parallel.h), so the threads end together.
+  std::vector<int64_t> order(items);
+  for (int64_t i = 0; i < items; i++) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return tokens(a) > tokens(b); });
+  if (work * nh * dim < kSerialElems) {  // a few short contexts: this thread alone
     std::vector<float> scores(rows * longest), acc(rows * dim);
-    for (int64_t r = r0; r < r1; r++)
-      for (int64_t i = bounds[r]; i < bounds[r + 1]; i++) {
-        const int64_t len = tokens(i);
-        if (len == 0) continue;
-        const int64_t b = i / (split * chunks), h0 = ((i / chunks) % split) * nh;
-        const float* qi = q + b * q_stride + h0 * group * dim;
-        float* oi = chunks > 1 ? parts.data() + i * rows * dim : out + (b * kv_heads + h0) * group * dim;
-        float* st = chunks > 1 ? stats.data() + i * rows * 2 : nullptr;
-        const int64_t* ti = tables + b * max_blocks + first_block(i);
-        if (dim == 64)
-          decode_item<64, T>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores.data(), acc.data(), st);
-        else if (dim == 128)
-          decode_item<128, T>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores.data(), acc.data(), st);
-        else
-          decode_item<0, T>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores.data(), acc.data(), st);
-      }
-  });
+    for (int64_t i = 0; i < items; i++) run_item(i, scores.data(), acc.data());
+  } else {
+    parallel_chunks(items, 1, [&](auto next) {
+      std::vector<float> scores(rows * longest), acc(rows * dim);
+      for (int64_t j0, j1; next(j0, j1);)
+        for (int64_t j = j0; j < j1; j++) run_item(order[j], scores.data(), acc.data());
+    });
+  }
   if (chunks == 1) return;
   for (int64_t first = 0; first < items; first += chunks) {  // one (sequence, KV heads) at a time
     const int64_t b = first / (split * chunks), h0 = ((first / chunks) % split) * nh;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+#include "parallel.h"
 #include "tile.h"
 
 // Block-quantized weights (GGUF's Q4_0/Q4_1/Q8_0, see cpu_linear.py), 32 weights a block:
@@ -177,6 +178,8 @@ static void qgemm(const float* x, const uint8_t* qs, const float* d, const float
     for (int64_t j = 0; j < 32; j++) s += x[(i / nb) * k + (i % nb) * 32 + j];
     xsum[i] = s;
   }
+  // A static split: each thread streams one contiguous half of the rows (handing out chunks
+  // measured slower here at batch 1: 71-114 vs 74-120 tok/s, the streams restart every chunk).
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t i0 = 0; i0 < m; i0 += 4) {  // up to four input rows share one weight pass
       const float* xi = x + i0 * k;
@@ -265,9 +268,9 @@ template <bool Q4>
 static void qgemm_tiled(const float* x, const uint8_t* qt, const float* dt, const float* mt,
                         const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
   const int64_t nb = k / 32, tile_bytes = k * (Q4 ? 16 : 32);
-  at::parallel_for(0, (n + QTILE - 1) / QTILE, 1, [&](int64_t t0, int64_t t1) {
+  parallel_chunks((n + QTILE - 1) / QTILE, 1, [&](auto next) {  // tiles handed out one at a time
     std::vector<float> buf(KC * QTILE), out(m * QTILE);
-    for (int64_t t = t0; t < t1; t++) {
+    for (int64_t t, end; next(t, end);) {  // one tile a chunk (end == t + 1)
       const int64_t r0 = t * QTILE, nr = std::min(QTILE, n - r0);
       for (int64_t c0 = 0; c0 < k; c0 += KC) {
         const int64_t kc = std::min(KC, k - c0);
