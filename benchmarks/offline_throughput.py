@@ -47,7 +47,7 @@ from offline_backends import OUT_DIR, run_backends  # noqa: E402
 from offline_floors import comparison_table, floors_table, model_costs, probe_machine  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -71,7 +71,11 @@ def main(argv: list[str] | None = None) -> dict:
         default="default",
         help="pdinfer's zero-overhead scheduling (default: the role's, on for NORMAL)",
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     if args.zos != "default":
         os.environ["PDINFER_ZERO_OVERHEAD_SCHEDULING"] = "1" if args.zos == "on" else "0"
 
