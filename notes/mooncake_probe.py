@@ -19,6 +19,7 @@ Usage:  python notes/mooncake_probe.py [--metadata p2p|http] [--timeout 120] [--
         [--sizes 1,16,64]
 Needs:  pip install mooncake-transfer-engine-non-cuda ; apt-get install libibverbs1
 """
+
 from __future__ import annotations
 
 import argparse

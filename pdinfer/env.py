@@ -86,12 +86,6 @@ _declare(
     "Disable CUDA graphs (GPU only). CUDA graphs are never used by PROMPT engines.",
 )
 _declare(
-    "PDINFER_USE_CUDA_GRAPH",
-    _parse_bool,
-    None,
-    "Unset: the role decides (off for PROMPT, on otherwise, on CUDA only).",
-)
-_declare(
     "PDINFER_CACHE_DIR",
     str,
     os.path.join(os.path.expanduser("~"), ".cache", "pdinfer"),
@@ -101,8 +95,8 @@ _declare(
     "PDINFER_CPU_QUANT_GEMM",
     _parse_bool,
     True,
-    "CPU, float32, GGUF models: steps of up to 192 rows (decode) read the file's Q4_0/Q4_1/Q8_0 "
-    "blocks instead of the de-quantized floats (the same values; 3-4x fewer bytes). 0: floats.",
+    "CPU, float32, GGUF models: steps of up to 192 rows (decode; 64 for Q8_0) read the file's "
+    "Q4_0/Q4_1/Q8_0 blocks instead of the de-quantized floats (the same values; 3-4x fewer bytes). 0: floats.",
 )
 _declare(
     "PDINFER_CPU_DECODE_STACK",

@@ -8,6 +8,7 @@ block-quantized GEMMs with gguf's own quantizer and de-quantizer as the referenc
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -115,19 +116,36 @@ def test_native_decode_matches_sdpa(kernel_paths, head_dim, group, lengths):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@contextlib.contextmanager
+def num_threads(threads: int):
+    """torch's (and the kernels' OpenMP) thread count inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [2, 8])
 @pytest.mark.parametrize("lengths", [[2000], [1100, 3]])
 def test_native_decode_splits_long_contexts_into_chunks(kernel_paths, threads, lengths):
     """Fewer (sequence, KV head) items than two a thread: each long context is cut into chunks
     of whole blocks, each chunk's softmax alone, merged after; with 8 threads the 3-token
     sequence's later chunks are empty."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         kv, layer, q, inp, ref = _decode_case(64, 3, lengths, seed=2)
         out = _run_decode(kv, layer, q, inp, kernel_paths)
-    finally:
-        torch.set_num_threads(before)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_decode_hands_out_every_item_whatever_the_thread_count(kernel_paths, threads):
+    """Enough work for the parallel path (items handed out longest first, parallel.h): one
+    thread (as each engine of `pdinfer launch` on two cores) runs every item too."""
+    with num_threads(threads):
+        kv, layer, q, inp, ref = _decode_case(64, 3, [300, 17, 250, 64, 400, 5, 129, 333], seed=3)
+        out = _run_decode(kv, layer, q, inp, kernel_paths)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -270,8 +288,15 @@ def test_gguf_blocks_dequantize_exactly_like_gguf(gguf_type):
 @pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
 # Both sides of the row-streaming/tiled crossover of every build (AVX-512 4/5, AVX2 8/9).
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 23, *QUANT_TILED_MAX_ROWS.values()])
-def test_quantized_gemm_matches_linear_on_dequantized_weights(kernel_paths, gguf_type, rows):
-    kernels = kernel_paths
+# One thread too: the tiled GEMM hands out its tiles (parallel.h), and each engine of `pdinfer
+# launch` on two cores runs one thread.
+@pytest.mark.parametrize("threads", [1, 2])
+def test_quantized_gemm_matches_linear_on_dequantized_weights(kernel_paths, gguf_type, rows, threads):
+    with num_threads(threads):
+        _check_quantized_gemm(kernel_paths, gguf_type, rows)
+
+
+def _check_quantized_gemm(kernels, gguf_type: str, rows: int) -> None:
     # 75 outputs: a partial last tile; 288 inputs: more than one slice of the tiled loop.
     raw, weight = _gguf_blocks(gguf_type, 8 * 9 + 3, 9 * 32, seed=rows)
     gen = torch.Generator().manual_seed(rows)

@@ -10,13 +10,17 @@
 #include <cstdint>
 
 // body(next) runs once per thread; next(i0, i1) gives the thread its next chunk [i0, i1) of
-// [0, n) and returns false when none is left. Per-thread buffers go at the top of body.
+// [0, n), at most `chunk` items, and returns false when none is left. Per-thread buffers go at
+// the top of body.
 template <typename Body>
 static inline void parallel_chunks(int64_t n, int64_t chunk, Body&& body) {
   const int64_t chunks = (n + chunk - 1) / chunk, threads = std::min<int64_t>(at::get_num_threads(), chunks);
   if (threads <= 1 || at::in_parallel_region()) {
-    int64_t taken = 0;
-    body([&](int64_t& i0, int64_t& i1) { i0 = taken, i1 = n, taken = n; return i0 < n; });
+    int64_t taken = 0;  // the same chunks, in order, on this thread
+    body([&](int64_t& i0, int64_t& i1) {
+      i0 = taken, i1 = std::min(n, taken + chunk), taken = i1;
+      return i0 < n;
+    });
     return;
   }
   std::atomic<int64_t> counter{0};
