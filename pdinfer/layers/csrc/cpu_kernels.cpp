@@ -246,14 +246,13 @@ static void paged_decode(const T* kv, const float* q, float* out, const int64_t*
     else
       decode_item<0, T>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores, acc, st);
   };
-  // Longest items first, handed out one at a time (parallel.h), so the threads end together.
-  std::vector<int64_t> order(items);
-  for (int64_t i = 0; i < items; i++) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return tokens(a) > tokens(b); });
   if (work * nh * dim < kSerialElems) {  // a few short contexts: this thread alone
     std::vector<float> scores(rows * longest), acc(rows * dim);
     for (int64_t i = 0; i < items; i++) run_item(i, scores.data(), acc.data());
-  } else {
+  } else {  // longest items first, handed out one at a time (parallel.h): the threads end together
+    std::vector<int64_t> order(items);
+    for (int64_t i = 0; i < items; i++) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return tokens(a) > tokens(b); });
     parallel_chunks(items, 1, [&](auto next) {
       std::vector<float> scores(rows * longest), acc(rows * dim);
       for (int64_t j0, j1; next(j0, j1);)
