@@ -47,6 +47,7 @@ import platform
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -133,6 +134,10 @@ def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ct
 
 def _compile(path: Path, cmd_tail: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    logger.info(
+        "compiling the native CPU kernels into %s (once for this CPU, torch and kernel source; ~10-30 s)", path.parent
+    )
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / "cpu_kernels.so"
         subprocess.run(
@@ -142,6 +147,7 @@ def _compile(path: Path, cmd_tail: list[str]) -> None:
             timeout=120,
         )
         os.replace(out, path)  # atomic: concurrent engines never load a half-written file
+    logger.info("compiled the native CPU kernels in %.1f s", time.perf_counter() - start)
 
 
 @functools.cache
