@@ -27,8 +27,10 @@ to float32 exactly as they load it; everything else here takes float32 tensors o
 - ``pd_decode_stack``: all of the above for every decoder layer of a decode step, in one call
   (``cpu_decode_stack``).
 
-~900 lines of C++ (AVX-512 or AVX2 through one small wrapper, ``csrc/simd.h``, and one FMA
-register tile, ``csrc/tile.h``; plain loops otherwise; ``-march=native`` picks), compiled with
+~1,100 lines of C++ in ``csrc/`` (one file per concern: decode and prefill attention, the
+quantized GEMMs, the decoder stack, the rest; AVX-512 or AVX2 through one small wrapper,
+``simd.h``, and one FMA register tile, ``tile.h``; plain loops otherwise; ``-march=native``
+picks), compiled with
 the system ``g++`` against ATen's threading header only (``at::parallel_for`` shares torch's
 OpenMP pool), in a few seconds, once per machine: the library is cached under
 ``PDINFER_CACHE_DIR`` keyed by source, flags, torch version and CPU flags, and loaded with
@@ -54,9 +56,18 @@ import torch
 
 logger = logging.getLogger("pdinfer")
 
-# The C++ sources, compiled together into one library, and the header they share.
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "quant_gemm.cpp", "decode_stack.cpp")]
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile.h", "parallel.h")]
+# The C++ sources, compiled together into one library, and the headers they share.
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in (
+        "cpu_kernels.cpp",
+        "decode_attention.cpp",
+        "prefill_attention.cpp",
+        "quant_gemm.cpp",
+        "decode_stack.cpp",
+    )
+]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile.h", "parallel.h", "kernel_common.h")]
 
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 

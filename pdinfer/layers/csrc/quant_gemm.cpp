@@ -1,5 +1,5 @@
 // Block-quantized GEMMs for CPU decode steps (pdinfer/layers/cpu_kernels.py builds and loads
-// this file together with cpu_kernels.cpp).
+// this file together with the other kernel sources).
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>

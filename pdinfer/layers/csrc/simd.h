@@ -1,5 +1,5 @@
 // The widest float vector this machine has (AVX-512, else AVX2), for the loops of
-// cpu_kernels.cpp, quant_gemm.cpp and tile.h that the compiler does not vectorize well by itself.
+// the kernels in csrc/ and tile.h that the compiler does not vectorize well by itself.
 // PD_SIMD is 0 without either; callers then keep plain loops. Loads also take bfloat16
 // (uint16_t bits, a bfloat16 KV cache) and widen them to float32, exactly.
 #pragma once

@@ -1,5 +1,5 @@
 // The FMA register tile shared by the quantized GEMM (quant_gemm.cpp) and prefill attention
-// (cpu_kernels.cpp): up to MR rows of x times a panel of TILE columns.
+// (prefill_attention.cpp): up to MR rows of x times a panel of TILE columns.
 #pragma once
 #include <cstdint>
 #include "simd.h"
