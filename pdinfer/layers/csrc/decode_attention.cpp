@@ -189,19 +189,14 @@ static void paged_decode(const T* kv, const float* q, float* out, const int64_t*
     else
       decode_item<0, T>(kv, qi, oi, ti, len, h0, nh, strides, group, dim, scale, scores, acc, st);
   };
-  if (work * nh * dim < kSerialElems) {  // a few short contexts: this thread alone
+  // Longest items first, handed out one at a time (parallel.h): the threads end together.
+  std::vector<int64_t> order(items);
+  for (int64_t i = 0; i < items; i++) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return tokens(a) > tokens(b); });
+  parallel_items(items, work * nh * dim < kSerialElems, [&](auto next) {
     std::vector<float> scores(rows * longest), acc(rows * dim);
-    for (int64_t i = 0; i < items; i++) run_item(i, scores.data(), acc.data());
-  } else {  // longest items first, handed out one at a time (parallel.h): the threads end together
-    std::vector<int64_t> order(items);
-    for (int64_t i = 0; i < items; i++) order[i] = i;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return tokens(a) > tokens(b); });
-    parallel_chunks(items, 1, [&](auto next) {
-      std::vector<float> scores(rows * longest), acc(rows * dim);
-      for (int64_t j0, j1; next(j0, j1);)
-        for (int64_t j = j0; j < j1; j++) run_item(order[j], scores.data(), acc.data());
-    });
-  }
+    for (int64_t j; next(j);) run_item(order[j], scores.data(), acc.data());
+  });
   if (chunks == 1) return;
   for (int64_t first = 0; first < items; first += chunks) {  // one (sequence, KV heads) at a time
     const int64_t b = first / (split * chunks), h0 = ((first / chunks) % split) * nh;

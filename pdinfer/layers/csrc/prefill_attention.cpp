@@ -2,10 +2,10 @@
 // context in the cache (pdinfer/layers/cpu_kernels.py builds and loads this file with the others).
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <vector>
 #include "kernel_common.h"
+#include "parallel.h"
 #include "tile.h"
 
 // Prefill attention, causal, for every sequence of a step at once, reading K/V through the block
@@ -114,11 +114,9 @@ extern "C" void pd_prefill_attention(const void* kv, const int64_t* strides, con
       for (int64_t h = 0; h < kv_heads; h++) items.push_back({cost, b, h, i0});
     }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  const int64_t runs = work * group * dim < kSerialElems ? 1 : at::get_num_threads();
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, runs, 1, [&](int64_t, int64_t) {
+  parallel_items((int64_t)items.size(), work * group * dim < kSerialElems, [&](auto next) {
     std::vector<float> qb(QT * group * dpad), sc(QT * group * longest), ob(QT * group * dpad), inv(QT * group);
-    for (int64_t i; (i = next.fetch_add(1)) < (int64_t)items.size();) {
+    for (int64_t i; next(i);) {
       const Item& it = items[i];
       const PrefillPack& p = packs[it.seq * kv_heads + it.h];
       prefill_item(q + starts[it.seq] * q_row, q_row, out + starts[it.seq] * out_row, out_row,

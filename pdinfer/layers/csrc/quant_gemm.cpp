@@ -268,9 +268,9 @@ template <bool Q4>
 static void qgemm_tiled(const float* x, const uint8_t* qt, const float* dt, const float* mt,
                         const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
   const int64_t nb = k / 32, tile_bytes = k * (Q4 ? 16 : 32);
-  parallel_chunks((n + QTILE - 1) / QTILE, 1, [&](auto next) {  // tiles handed out one at a time
+  parallel_items((n + QTILE - 1) / QTILE, false, [&](auto next) {  // tiles handed out one at a time
     std::vector<float> buf(KC * QTILE), out(m * QTILE);
-    for (int64_t t, end; next(t, end);) {  // one tile a chunk (end == t + 1)
+    for (int64_t t; next(t);) {
       const int64_t r0 = t * QTILE, nr = std::min(QTILE, n - r0);
       for (int64_t c0 = 0; c0 < k; c0 += KC) {
         const int64_t kc = std::min(KC, k - c0);
