@@ -99,6 +99,14 @@ _declare(
     "Q4_0/Q4_1/Q8_0 blocks instead of the de-quantized floats (the same values; 3-4x fewer bytes). 0: floats.",
 )
 _declare(
+    "PDINFER_CPU_AMX",
+    _parse_bool,
+    True,
+    "CPU with AMX (Sapphire Rapids and later), float32, GGUF models: steps of more rows than the "
+    "quantized GEMMs take (prefill) multiply the file's blocks on AMX tiles, each input split in "
+    "three bfloat16 parts (float32 accuracy). 0: oneDNN on the de-quantized floats.",
+)
+_declare(
     "PDINFER_CPU_DECODE_STACK",
     _parse_bool,
     True,

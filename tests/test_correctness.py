@@ -45,7 +45,7 @@ def test_small_decode_steps_read_the_gguf_blocks_and_match_transformers(llm, pro
 def test_native_decode_stack_equals_the_torch_modules(llm, prompt_ids, reference):
     """CPU decode steps run the decoder layers as one native call (``cpu_decode_stack``); the
     torch modules are its reference: the same tokens and bit-identical log-probabilities, with
-    1 and 4 sequences (row-streaming GEMMs) and 6 (the tiled GEMM)."""
+    1 and 4 sequences (row-streaming GEMMs), 6 (the tiled GEMM) and 33 (with AMX, the AMX GEMM)."""
     model = llm.engine.model_runner.model
     stack = model.decode_stack
     assert stack is not None and stack.max_rows >= 6
@@ -58,7 +58,8 @@ def test_native_decode_stack_equals_the_torch_modules(llm, prompt_ids, reference
     stack.run = counting_run
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
     try:
-        for group in ([prompt_ids[0]], prompt_ids[:4], prompt_ids[:6]):
+        many = (prompt_ids * 33)[:33]
+        for group in ([prompt_ids[0]], prompt_ids[:4], prompt_ids[:6], many):
             requests = [{"prompt_token_ids": ids} for ids in group]
             native = llm.generate(requests, params, use_tqdm=False)
             model.decode_stack = None
@@ -70,7 +71,7 @@ def test_native_decode_stack_equals_the_torch_modules(llm, prompt_ids, reference
     finally:
         model.decode_stack = stack
         del stack.run
-    assert {1, 4, 6} <= set(rows_seen)
+    assert {1, 4, 6, 33} <= set(rows_seen)
     _check(llm, prompt_ids[:6], reference)
 
 

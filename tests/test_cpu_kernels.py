@@ -317,6 +317,34 @@ def _check_quantized_gemm(kernels, gguf_type: str, rows: int) -> None:
     torch.testing.assert_close(layer(more), F.linear(more, weight, bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
+# The AMX GEMM's least rows, a partial 16-row tile, and rows over the tiled GEMM's limit.
+@pytest.mark.parametrize("rows", [32, 47, QUANT_TILED_MAX_ROWS["q4"] + 1])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_gemm_keeps_float32_accuracy(kernels, gguf_type, rows, threads):
+    """The AMX GEMM multiplies bfloat16 tiles; with each input split in three bfloat16 parts its
+    error against float64 must stay at float32's (below 2^-21 of the sum of |products|: the
+    float32 GEMM here gives ~2e-7), and the packed layer must take it from its least rows."""
+    if not cpu_kernels.amx_available(kernels):
+        pytest.skip("this CPU (or build) has no AMX; the other quantized GEMMs are tested above")
+    raw, weight = _gguf_blocks(gguf_type, 8 * 9 + 3, 9 * 32, seed=rows)  # a partial last tile
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 9 * 32 + 5, generator=gen)[:, 5:]  # strided input rows
+    x[0] *= 1e4  # rows of very different scales: each value is split by its own exponent
+    bias = torch.randn(weight.shape[0], generator=gen)
+    quant = QuantWeight.from_gguf(gguf_type, raw)
+    ref = F.linear(x.double(), weight.double(), bias.double())
+    scale = x.double().abs() @ weight.double().abs().T + bias.double().abs()
+    with num_threads(threads):
+        out = quant.linear_amx(kernels, x, bias)
+        layer = PackedLinear(torch.nn.Parameter(weight), torch.nn.Parameter(bias), kernels, quant, amx=True)
+        assert layer.amx
+        assert torch.equal(layer(x), out)
+        fewer = x[: cpu_kernels.amx_min_rows(kernels) - 1]
+        assert torch.equal(layer(fewer), quant.linear(kernels, fewer, bias))  # the tiled GEMM
+    assert ((out.double() - ref).abs() / scale).max().item() < 2.0**-21
+
+
 def test_fused_elementwise_ops_match_torch(kernels):
     ops = cpu_kernels.fused_ops()
     gen = torch.Generator().manual_seed(0)

@@ -33,6 +33,7 @@ class _Linear(ctypes.Structure):
         ("qt", ctypes.c_void_p),
         ("dt", ctypes.c_void_p),
         ("mt", ctypes.c_void_p),
+        ("aq", ctypes.c_void_p),  # QuantWeight.amx_tiles where the layer runs AMX, else None
         ("bias", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
@@ -83,6 +84,7 @@ def _linear(layer: PackedLinear) -> _Linear:
         _ptr(qt),
         _ptr(dt),
         _ptr(mt),
+        _ptr(q.amx_tiles if q is not None and layer.amx else None),
         _ptr(layer.bias),
         layer.weight.shape[0],
         layer.weight.shape[1],

@@ -21,6 +21,9 @@ to float32 exactly as they load it; everything else here takes float32 tensors o
   batches), reads a copy of the blocks laid out by tiles of 32 weight rows and de-quantizes
   256 input positions of a tile at a time into an L1 panel for an FMA register kernel (8 x 32
   with AVX-512, 6 x 16 with AVX2).
+- ``pd_amx_quant_gemm``: the same blocks for steps of many rows (prefill) on AMX tiles, where
+  the CPU has them: each input value split into three bfloat16 parts, the quants exact in
+  bfloat16, float32 sums, so the result keeps float32 accuracy (``amx_gemm.cpp``).
 - ``pd_rms_norm``, ``pd_rotary_qk``, ``pd_silu_and_mul``: one pass each instead of 3-8 small
   torch ops (``FusedOps``, the CPU twin of ``triton_ops``); they matter at small batches, where
   per-op overhead rivals the arithmetic.
@@ -64,6 +67,7 @@ _SOURCES = [
         "decode_attention.cpp",
         "prefill_attention.cpp",
         "quant_gemm.cpp",
+        "amx_gemm.cpp",
         "decode_stack.cpp",
     )
 ]
@@ -129,6 +133,7 @@ def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ct
             ("pd_small_gemm", [ptr, ptr, ptr, ptr, i64, i64, i64]),
             ("pd_quant_gemm", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
             ("pd_quant_gemm_tiled", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
+            ("pd_amx_quant_gemm", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
             ("pd_rms_norm", [ptr, i64, ptr, ptr, i64, i64, f32]),
             ("pd_rotary_qk", [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]),
             ("pd_silu_and_mul", [ptr, i64, ptr, i64, i64]),
@@ -137,6 +142,8 @@ def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ct
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         lib.pd_quant_stream_rows.argtypes, lib.pd_quant_stream_rows.restype = [], i64
+        lib.pd_amx_enable.argtypes, lib.pd_amx_enable.restype = [], ctypes.c_int
+        lib.pd_amx_min_rows.argtypes, lib.pd_amx_min_rows.restype = [], i64
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         logger.warning("native CPU kernels unavailable (%s); using plain torch", exc)
         return None
@@ -166,6 +173,19 @@ def quant_stream_rows(lib: ctypes.CDLL) -> int:
     """Input rows up to which this build's row-streaming quantized GEMM (``pd_quant_gemm``)
     beats its tiled one (``pd_quant_gemm_tiled``): 4 with AVX-512, 8 with AVX2."""
     return int(lib.pd_quant_stream_rows())
+
+
+@functools.cache
+def amx_available(lib: ctypes.CDLL) -> bool:
+    """Whether this build has the AMX GEMM (``pd_amx_quant_gemm``: compiled on a CPU with AMX
+    and AVX512-BF16) and Linux lets this process use the tiles."""
+    return bool(lib.pd_amx_enable())
+
+
+@functools.cache
+def amx_min_rows(lib: ctypes.CDLL) -> int:
+    """Input rows from which ``pd_amx_quant_gemm`` beats the tiled quantized GEMM."""
+    return int(lib.pd_amx_min_rows())
 
 
 def cpu_flags() -> set[str]:

@@ -16,6 +16,13 @@ de-quantized values are bit-identical to the float weights (checked when the blo
 attached), so the result differs from the float path only in the rounding of the sums (their
 order; with AVX-512 and up to 4 rows, each block's scale is applied to its sum); a batch-1 step
 reads ~115 MB instead of 538 MB for SmolLM2-135M.
+
+On CPUs with AMX (Sapphire Rapids and later; ``PDINFER_CPU_AMX``), steps from
+``cpu_kernels.amx_min_rows`` rows (32) take ``pd_amx_quant_gemm`` instead, prefill included:
+the quants, small integers, are exact in bfloat16, and each input value is split into three
+bfloat16 parts, so AMX's bfloat16 products are exact and its float32 sums give float32 accuracy
+(error against float64 below the float32 GEMM's). It reads a third copy of the quants, two
+bytes a weight (``QuantWeight.amx_tiles``, built at load).
 """
 
 from __future__ import annotations
@@ -143,6 +150,42 @@ class QuantWeight:
         q = by_tile(torch.cat([self.qs & 15, self.qs >> 4], dim=-1).reshape(self.n, self.k))
         return (q[..., :half] | (q[..., half:] << 4)).contiguous(), by_tile(self.d), by_tile(self.minimums)
 
+    @functools.cached_property
+    def amx_tiles(self) -> torch.Tensor:
+        """The quants as bfloat16 (exact: small integers) in ``pd_amx_quant_gemm``'s layout
+        (``amx_gemm.cpp``): per tile of ``QUANT_TILE`` rows (the last padded with zero rows) and
+        block, two AMX B tiles of 16 rows each, two adjacent positions side by side. Two bytes a
+        weight; the scales and minimums are ``tiles``'."""
+        pad = -self.n % QUANT_TILE
+        if self.kind == "q8":
+            q = self.qs.view(torch.int8).reshape(self.n, self.k)
+        else:
+            q = torch.cat([self.qs & 15, self.qs >> 4], dim=-1).reshape(self.n, self.k)
+        q = torch.cat([q.float(), q.new_zeros(pad, self.k, dtype=torch.float32)])
+        tiles, nb = (self.n + pad) // QUANT_TILE, self.k // 32
+        # [tiles, 2, 16 rows, nb, 16 pairs, 2] -> [tiles, nb, 2, 16 pairs, 16 rows, 2]
+        q = q.reshape(tiles, 2, 16, nb, 16, 2).permute(0, 3, 1, 4, 2, 5)
+        return q.to(torch.bfloat16).contiguous().view(torch.int16)
+
+    def linear_amx(self, lib, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, dequantize(), bias)`` on AMX tiles (``pd_amx_quant_gemm``; only where
+        ``cpu_kernels.amx_available(lib)``), for any number of rows."""
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+        _, d, mn = self.tiles
+        lib.pd_amx_quant_gemm(
+            x.data_ptr(),
+            self.amx_tiles.data_ptr(),
+            d.data_ptr(),
+            None if mn is None else mn.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            self.n,
+            self.k,
+        )
+        return out
+
     def linear(self, lib, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, dequantize(), bias)``: row-streaming up to ``quant_stream_rows(lib)``
         rows of ``x``, tiled above (callers send at most ``max_rows``)."""
@@ -189,36 +232,54 @@ class PackedLinear(nn.Module):
     """
 
     # weight, bias: nn.Parameters (typed Tensor, as torch's own modules declare them)
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels=None, quant: QuantWeight | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels=None,
+        quant: QuantWeight | None = None,
+        amx: bool = False,
+    ):
         super().__init__()
         self.weight = weight
         self.bias = bias
         # ``cpu_kernels.load()``: the native GEMMs take float32 rows only
         self.kernels = kernels if weight.is_contiguous() and weight.dtype == torch.float32 else None
-        self.quant = quant if kernels is not None else None
+        self.quant = quant if self.kernels is not None else None
+        # above the quantized GEMMs' rows, the blocks on AMX tiles instead of oneDNN on the floats
+        self.amx = self.quant is not None and amx and cpu_kernels.amx_available(self.kernels)
         if self.quant is not None:
-            _ = self.quant.tiles  # built at load, not in the first large decode step
+            _ = self.quant.tiles  # built at load, not in the first large step
+            if self.amx:
+                _ = self.quant.amx_tiles
         self.repack()
 
     def repack(self) -> None:
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None and x.shape[0] <= self.quant.max_rows:
+        rows = x.shape[0]
+        if self.amx and self.quant is not None and rows >= cpu_kernels.amx_min_rows(self.kernels):
+            return self.quant.linear_amx(self.kernels, x, self.bias)
+        if self.quant is not None and rows <= self.quant.max_rows:
             return self.quant.linear(self.kernels, x, self.bias)
-        if self.kernels is not None and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
+        if self.kernels is not None and rows <= SMALL_GEMM_MAX_ROWS:
             return cpu_kernels.small_linear(self.kernels, x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module, kernels=None, quantized: dict[str, QuantWeight] | None = None) -> int:
+def pack_linears(
+    model: nn.Module, kernels=None, quantized: dict[str, QuantWeight] | None = None, amx: bool = False
+) -> int:
     """Replace every float32 (and, where oneDNN has bf16 GEMMs, bfloat16) CPU ``nn.Linear`` of
     ``model`` by a ``PackedLinear``; the count.
 
     A model whose ``lm_head`` is None ties it to ``embed_tokens`` (see models/llama.py); it gets
     a packed head over the embedding weight, so call this only after the weights are loaded.
     ``quantized`` maps weight names (``layers.0.mlp.gate_up_proj.weight``) to their blocks; a
-    block set that does not de-quantize to the loaded weight is dropped with a warning.
+    block set that does not de-quantize to the loaded weight is dropped with a warning. ``amx``:
+    layers with blocks run steps of more rows than the quantized GEMMs take on AMX tiles, where
+    ``cpu_kernels.amx_available``.
     """
     if not onednn_packing_available():
         logger.info("oneDNN weight packing is not available; linear layers use F.linear")
@@ -237,7 +298,7 @@ def pack_linears(model: nn.Module, kernels=None, quantized: dict[str, QuantWeigh
     if getattr(model, "lm_head", False) is None and isinstance(embed, nn.Embedding):
         weight = embed.weight
         if weight.device.type == "cpu" and weight.dtype in dtypes:
-            model.lm_head = PackedLinear(weight, None, kernels, quant_for("embed_tokens.weight", weight))
+            model.lm_head = PackedLinear(weight, None, kernels, quant_for("embed_tokens.weight", weight), amx)
     targets = [
         (name, module)
         for name, module in model.named_modules()
@@ -247,5 +308,5 @@ def pack_linears(model: nn.Module, kernels=None, quantized: dict[str, QuantWeigh
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         quant = quant_for(f"{name}.weight", module.weight)
-        setattr(parent, attr, PackedLinear(module.weight, module.bias, kernels, quant))
+        setattr(parent, attr, PackedLinear(module.weight, module.bias, kernels, quant, amx))
     return len(targets)

@@ -74,7 +74,12 @@ class ModelRunner:
                 and dtype == torch.float32
                 and env.get("PDINFER_CPU_QUANT_GEMM")
             )
-            pack_linears(self.model, self.native_kernels, load_quantized_blocks(folder) if use_blocks else None)
+            pack_linears(
+                self.model,
+                self.native_kernels,
+                load_quantized_blocks(folder) if use_blocks else None,
+                amx=bool(use_blocks and env.get("PDINFER_CPU_AMX")),
+            )
             if env.get("PDINFER_CPU_DECODE_STACK") and hasattr(self.model, "decode_stack"):
                 self.model.decode_stack = DecodeStack.build(self.model, self.native_kernels)
         self.sampler = Sampler()

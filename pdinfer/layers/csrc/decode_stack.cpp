@@ -26,11 +26,15 @@ void pd_quant_gemm(const float* x, const uint8_t* qs, const float* d, const floa
 void pd_quant_gemm_tiled(const float* x, const uint8_t* qt, const float* dt, const float* mt,
                          const float* bias, float* y, int64_t m, int64_t n, int64_t k);
 int64_t pd_quant_stream_rows();
+void pd_amx_quant_gemm(const float* x, const uint16_t* bq, const float* dt, const float* mt, const float* bias,
+                       float* y, int64_t m, int64_t n, int64_t k);
+int64_t pd_amx_min_rows();
 }
 
 // One linear layer as PackedLinear runs it: up to pd_quant_stream_rows() rows the row-streaming
-// GEMM over GGUF blocks (qs != nullptr), else the small float GEMM; above that the tiled GEMM
-// (blocks only; the caller never sends more rows than it allows).
+// GEMM over GGUF blocks (qs != nullptr), else the small float GEMM; above that the AMX GEMM
+// from pd_amx_min_rows() rows where the layer has its layout (aq != nullptr), else the tiled
+// GEMM (blocks only; the caller never sends more rows than it allows).
 struct PdLinear {
   const float* weight;  // [n, k] floats
   const uint8_t* qs;    // GGUF layout (nullptr: no blocks)
@@ -39,6 +43,7 @@ struct PdLinear {
   const uint8_t* qt;    // the tiled layout
   const float* dt;
   const float* mt;
+  const uint16_t* aq;   // the AMX layout (nullptr: not used)
   const float* bias;    // nullptr: none
   int64_t n, k;
 };
@@ -62,6 +67,8 @@ static void linear(const PdLinear& l, const float* x, float* y, int64_t m) {
     pd_small_gemm(x, l.weight, l.bias, y, m, l.n, l.k);
   else if (m <= pd_quant_stream_rows())
     pd_quant_gemm(x, l.qs, l.d, l.mn, l.bias, y, m, l.n, l.k);
+  else if (l.aq != nullptr && m >= pd_amx_min_rows())
+    pd_amx_quant_gemm(x, l.aq, l.dt, l.mt, l.bias, y, m, l.n, l.k);
   else
     pd_quant_gemm_tiled(x, l.qt, l.dt, l.mt, l.bias, y, m, l.n, l.k);
 }
