@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <vector>
 #include "parallel.h"
 
@@ -133,10 +134,16 @@ void amx_gemm(const float* x, const uint16_t* bq, const float* dt, const float* 
         for (int64_t i = i0; i < std::min(mpad, i0 + ITEM_ROWS); i += AROWS) {
           tile_16x32<Q4>(parts + i * 3 * k, bq + t * nb * 1024, dt + t * nb * 32, Q4 ? mt + t * nb * 32 : nullptr,
                          sums + i * nb, nb, acc);
-          const int64_t cols = std::min(NTILE, n - t * NTILE);
-          for (int64_t r = 0; r < AROWS && i + r < m; r++)
-            for (int64_t q = 0; q < cols; q++)
-              y[(i + r) * n + t * NTILE + q] = acc[r * 32 + q] + (bias ? bias[t * NTILE + q] : 0.f);
+          const int64_t cols = std::min(NTILE, n - t * NTILE);  // the last tile may be partial
+          const __mmask16 k0 = cols >= 16 ? 0xFFFF : (1u << cols) - 1, k1 = cols > 16 ? (1u << (cols - 16)) - 1 : 0;
+          const float* bt = bias ? bias + t * NTILE : nullptr;
+          const __m512 b0 = bt ? _mm512_maskz_loadu_ps(k0, bt) : _mm512_setzero_ps();
+          const __m512 b1 = bt ? _mm512_maskz_loadu_ps(k1, bt + 16) : _mm512_setzero_ps();
+          for (int64_t r = 0; r < AROWS && i + r < m; r++) {
+            float* yr = y + (i + r) * n + t * NTILE;
+            _mm512_mask_storeu_ps(yr, k0, _mm512_add_ps(_mm512_load_ps(acc + r * 32), b0));
+            _mm512_mask_storeu_ps(yr + 16, k1, _mm512_add_ps(_mm512_load_ps(acc + r * 32 + 16), b1));
+          }
         }
     }
     _tile_release();
