@@ -30,8 +30,8 @@ to float32 exactly as they load it; everything else here takes float32 tensors o
 - ``pd_decode_stack``: all of the above for every decoder layer of a decode step, in one call
   (``cpu_decode_stack``).
 
-~1,100 lines of C++ in ``csrc/`` (one file per concern: decode and prefill attention, the
-quantized GEMMs, the decoder stack, the rest; AVX-512 or AVX2 through one small wrapper,
+~1,300 lines of C++ in ``csrc/`` (one file per concern: decode and prefill attention, the
+quantized GEMMs, the AMX GEMM, the decoder stack, the rest; AVX-512 or AVX2 through one small wrapper,
 ``simd.h``, and one FMA register tile, ``tile.h``; plain loops otherwise; ``-march=native``
 picks), compiled with
 the system ``g++`` against ATen's threading header only (``at::parallel_for`` shares torch's

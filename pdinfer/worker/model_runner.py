@@ -65,8 +65,9 @@ class ModelRunner:
         self.native_kernels = None
         if device.type == "cpu" and dtype in cpu_kernels.KV_DTYPES:
             # Native kernels (None: plain torch) for attention and small linears, then oneDNN-packed linears (faster than F.linear),
-            # which also read a GGUF model's quantized blocks in small decode steps (float32 only:
-            # a bfloat16 model runs every linear through oneDNN's bf16 GEMM).
+            # which also read a GGUF model's quantized blocks in small decode steps and, on CPUs
+            # with AMX, in every step of 32+ rows (float32 only: a bfloat16 model runs every
+            # linear through oneDNN's bf16 GEMM).
             self.native_kernels = cpu_kernels.load(env.get("PDINFER_CACHE_DIR"))
             use_blocks = (
                 self.native_kernels is not None
