@@ -318,8 +318,9 @@ def _check_quantized_gemm(kernels, gguf_type: str, rows: int) -> None:
 
 
 @pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
-# The AMX GEMM's least rows, a partial 16-row tile, and rows over the tiled GEMM's limit.
-@pytest.mark.parametrize("rows", [32, 47, QUANT_TILED_MAX_ROWS["q4"] + 1])
+# The AMX GEMM's least rows, a partial 16-row tile, rows over the tiled GEMM's limit and over
+# one of its 1,024-row pieces.
+@pytest.mark.parametrize("rows", [32, 47, QUANT_TILED_MAX_ROWS["q4"] + 1, 1100])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_amx_gemm_keeps_float32_accuracy(kernels, gguf_type, rows, threads):
     """The AMX GEMM multiplies bfloat16 tiles; with each input split in three bfloat16 parts its

@@ -112,11 +112,17 @@ void tile_16x32(const uint16_t* a, const uint16_t* bq, const float* dt, const fl
   }
 }
 
+// Rows split and multiplied at a time: the parts' buffer stays small (1,024 rows x k x 6 bytes,
+// 9 MB for SmolLM2's widest input) and warm in cache. A layer's four GEMMs at 8,192 rows, 12
+// alternations: 217 ms in pieces of 1,024 against 238 in one piece (faster in 12 of 12);
+// pieces of 512 and 256 rows 202 and 218 against 207 for 1,024 in another sitting.
+constexpr int64_t ROW_CHUNK = 1024;
+
 template <bool Q4>
-void amx_gemm(const float* x, const uint16_t* bq, const float* dt, const float* mt, const float* bias, float* y,
+void amx_rows(const float* x, const uint16_t* bq, const float* dt, const float* mt, const float* bias, float* y,
               int64_t m, int64_t n, int64_t k) {
   const int64_t nb = k / 32, mpad = (m + AROWS - 1) / AROWS * AROWS, tiles = (n + NTILE - 1) / NTILE;
-  thread_local std::vector<uint16_t> xp;  // kept: a prefill step's parts are tens of MB
+  thread_local std::vector<uint16_t> xp;  // kept from call to call (a decode step makes ~120)
   thread_local std::vector<float> xsum;
   xp.resize(3 * mpad * k);
   xsum.resize(mpad * nb);
@@ -148,6 +154,13 @@ void amx_gemm(const float* x, const uint16_t* bq, const float* dt, const float* 
     }
     _tile_release();
   });
+}
+
+template <bool Q4>
+void amx_gemm(const float* x, const uint16_t* bq, const float* dt, const float* mt, const float* bias, float* y,
+              int64_t m, int64_t n, int64_t k) {
+  for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK)
+    amx_rows<Q4>(x + r0 * k, bq, dt, mt, bias, y + r0 * n, std::min(ROW_CHUNK, m - r0), n, k);
 }
 
 }  // namespace
