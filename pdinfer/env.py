@@ -102,9 +102,9 @@ _declare(
     "PDINFER_CPU_AMX",
     _parse_bool,
     True,
-    "CPU with AMX (Sapphire Rapids and later), float32, GGUF models: steps of more rows than the "
-    "quantized GEMMs take (prefill) multiply the file's blocks on AMX tiles, each input split in "
-    "three bfloat16 parts (float32 accuracy). 0: oneDNN on the de-quantized floats.",
+    "CPU with AMX (Sapphire Rapids and later), float32, GGUF models: steps of 32 rows or more "
+    "(prefill, large decode batches) multiply the file's blocks on AMX tiles, each input split in "
+    "three bfloat16 parts (float32 accuracy). 0: the other quantized GEMMs and oneDNN.",
 )
 _declare(
     "PDINFER_CPU_DECODE_STACK",

@@ -21,7 +21,7 @@ to float32 exactly as they load it; everything else here takes float32 tensors o
   batches), reads a copy of the blocks laid out by tiles of 32 weight rows and de-quantizes
   256 input positions of a tile at a time into an L1 panel for an FMA register kernel (8 x 32
   with AVX-512, 6 x 16 with AVX2).
-- ``pd_amx_quant_gemm``: the same blocks for steps of many rows (prefill) on AMX tiles, where
+- ``pd_amx_quant_gemm``: the same blocks for steps of 32 rows or more on AMX tiles, where
   the CPU has them: each input value split into three bfloat16 parts, the quants exact in
   bfloat16, float32 sums, so the result keeps float32 accuracy (``amx_gemm.cpp``).
 - ``pd_rms_norm``, ``pd_rotary_qk``, ``pd_silu_and_mul``: one pass each instead of 3-8 small

@@ -102,13 +102,19 @@ class QuantWeight:
             parts[0].k,
         )
 
+    def quants(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The integer quants of weight rows ``rows``, [rows, k] (q4: uint8 0..15, q8: int8)."""
+        qs = self.qs[rows]
+        if self.kind == "q8":
+            return qs.view(torch.int8)
+        return torch.cat([qs & 15, qs >> 4], dim=-1).flatten(1)  # GGUF order: low nibbles, then high
+
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """The float32 weight rows ``rows`` (for checks; the kernels never build it)."""
         d = self.d[rows, :, None]
+        q = self.quants(rows).reshape(d.shape[0], -1, 32).float()
         if self.kind == "q8":
-            return (d * self.qs[rows].view(torch.int8).reshape(d.shape[0], -1, 32).float()).flatten(1)
-        qs = self.qs[rows]
-        q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # GGUF order: low nibbles, then high
+            return (d * q).flatten(1)
         return (d * q + self.minimums[rows, :, None]).flatten(1)
 
     def matches(self, weight: torch.Tensor, rows: int = 8) -> bool:
@@ -147,7 +153,7 @@ class QuantWeight:
         if self.kind == "q8":
             return by_tile(self.qs), by_tile(self.d), None
         half = QUANT_TILE // 2
-        q = by_tile(torch.cat([self.qs & 15, self.qs >> 4], dim=-1).reshape(self.n, self.k))
+        q = by_tile(self.quants())
         return (q[..., :half] | (q[..., half:] << 4)).contiguous(), by_tile(self.d), by_tile(self.minimums)
 
     @functools.cached_property
@@ -157,11 +163,7 @@ class QuantWeight:
         block, two AMX B tiles of 16 rows each, two adjacent positions side by side. Two bytes a
         weight; the scales and minimums are ``tiles``'."""
         pad = -self.n % QUANT_TILE
-        if self.kind == "q8":
-            q = self.qs.view(torch.int8).reshape(self.n, self.k)
-        else:
-            q = torch.cat([self.qs & 15, self.qs >> 4], dim=-1).reshape(self.n, self.k)
-        q = torch.cat([q.float(), q.new_zeros(pad, self.k, dtype=torch.float32)])
+        q = torch.cat([self.quants().float(), torch.zeros(pad, self.k)])
         tiles, nb = (self.n + pad) // QUANT_TILE, self.k // 32
         # [tiles, 2, 16 rows, nb, 16 pairs, 2] -> [tiles, nb, 2, 16 pairs, 16 rows, 2]
         q = q.reshape(tiles, 2, 16, nb, 16, 2).permute(0, 3, 1, 4, 2, 5)
@@ -170,45 +172,22 @@ class QuantWeight:
     def linear_amx(self, lib, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, dequantize(), bias)`` on AMX tiles (``pd_amx_quant_gemm``; only where
         ``cpu_kernels.amx_available(lib)``), for any number of rows."""
-        x = x.contiguous()
-        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
         _, d, mn = self.tiles
-        lib.pd_amx_quant_gemm(
-            x.data_ptr(),
-            self.amx_tiles.data_ptr(),
-            d.data_ptr(),
-            None if mn is None else mn.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            x.shape[0],
-            self.n,
-            self.k,
-        )
-        return out
+        return self._run(lib.pd_amx_quant_gemm, x, self.amx_tiles, d, mn, bias)
 
     def linear(self, lib, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, dequantize(), bias)``: row-streaming up to ``quant_stream_rows(lib)``
         rows of ``x``, tiled above (callers send at most ``max_rows``)."""
+        if x.shape[0] <= cpu_kernels.quant_stream_rows(lib):
+            return self._run(lib.pd_quant_gemm, x, self.qs, self.d, self.mn, bias)
+        return self._run(lib.pd_quant_gemm_tiled, x, *self.tiles, bias)
+
+    def _run(self, gemm, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, mn, bias) -> torch.Tensor:
+        """One of the native GEMMs (they share one signature) over quants ``q`` in its layout."""
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
-        bias_ptr = None if bias is None else bias.data_ptr()
-        if x.shape[0] <= cpu_kernels.quant_stream_rows(lib):
-            qs, d, mn = self.qs, self.d, self.mn
-            gemm = lib.pd_quant_gemm
-        else:
-            qs, d, mn = self.tiles
-            gemm = lib.pd_quant_gemm_tiled
-        gemm(
-            x.data_ptr(),
-            qs.data_ptr(),
-            d.data_ptr(),
-            None if mn is None else mn.data_ptr(),
-            bias_ptr,
-            out.data_ptr(),
-            x.shape[0],
-            self.n,
-            self.k,
-        )
+        ptr = [None if t is None else t.data_ptr() for t in (x, q, d, mn, bias, out)]
+        gemm(*ptr, x.shape[0], self.n, self.k)
         return out
 
 
@@ -246,7 +225,7 @@ class PackedLinear(nn.Module):
         # ``cpu_kernels.load()``: the native GEMMs take float32 rows only
         self.kernels = kernels if weight.is_contiguous() and weight.dtype == torch.float32 else None
         self.quant = quant if self.kernels is not None else None
-        # above the quantized GEMMs' rows, the blocks on AMX tiles instead of oneDNN on the floats
+        # from cpu_kernels.amx_min_rows rows, the blocks on AMX tiles (prefill and large batches)
         self.amx = self.quant is not None and amx and cpu_kernels.amx_available(self.kernels)
         if self.quant is not None:
             _ = self.quant.tiles  # built at load, not in the first large step
@@ -278,7 +257,7 @@ def pack_linears(
     a packed head over the embedding weight, so call this only after the weights are loaded.
     ``quantized`` maps weight names (``layers.0.mlp.gate_up_proj.weight``) to their blocks; a
     block set that does not de-quantize to the loaded weight is dropped with a warning. ``amx``:
-    layers with blocks run steps of more rows than the quantized GEMMs take on AMX tiles, where
+    layers with blocks run steps from ``cpu_kernels.amx_min_rows`` rows on AMX tiles, where
     ``cpu_kernels.amx_available``.
     """
     if not onednn_packing_available():

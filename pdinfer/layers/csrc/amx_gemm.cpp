@@ -1,5 +1,5 @@
-// Block-quantized GEMMs on AMX tiles (Sapphire Rapids and later) for steps of many rows
-// (prefill), in float32 accuracy (pdinfer/layers/cpu_kernels.py builds and loads this file
+// Block-quantized GEMMs on AMX tiles (Sapphire Rapids and later) for steps of 32 rows or more
+// (prefill, large decode batches), in float32 accuracy (pdinfer/layers/cpu_kernels.py builds and loads this file
 // together with the other kernel sources).
 //
 // AMX multiplies bfloat16 pairs and sums in float32. The blocks' quants are small integers
@@ -13,8 +13,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <cstdlib>
 #include <vector>
+#include "kernel_common.h"
 #include "parallel.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -50,7 +50,7 @@ inline __m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32
 // parts, 1 KB each, contiguous) and xsum [mpad][k / 32]; rows from m to mpad are zeros.
 void split_rows(const float* x, int64_t m, int64_t mpad, int64_t k, uint16_t* xp, float* xsum) {
   const int64_t nb = k / 32;
-  parallel_items(mpad / AROWS, mpad * k < (1 << 16), [&](auto next) {
+  parallel_items(mpad / AROWS, mpad * k < kSerialElems, [&](auto next) {
     for (int64_t g; next(g);)
       for (int64_t i = g * AROWS; i < g * AROWS + AROWS; i++)
         for (int64_t b = 0; b < nb; b++) {

@@ -1,5 +1,5 @@
 // Helpers of the native CPU kernels (cpu_kernels.cpp, decode_attention.cpp,
-// prefill_attention.cpp): the serial-work threshold, a vectorizable exp, the softmax's
+// prefill_attention.cpp, amx_gemm.cpp): the serial-work threshold, a vectorizable exp, the softmax's
 // numerators, and the KV cache's element type.
 #pragma once
 #include <algorithm>
