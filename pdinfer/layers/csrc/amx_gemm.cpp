@@ -72,12 +72,33 @@ void split_rows(const float* x, int64_t m, int64_t mpad, int64_t k, uint16_t* xp
   });
 }
 
+// acc[r][0..32) += d * (one block's sums c[r]) (+ the Q4 minimum times the block's input sum).
+template <bool Q4>
+inline void scale_block(const float (*c)[16][16], const float* dt, const float* mt, const float* xsum, int64_t nb,
+                        int64_t b, float* __restrict acc) {
+  const __m512 d0 = _mm512_loadu_ps(dt + b * 32), d1 = _mm512_loadu_ps(dt + b * 32 + 16);
+  const __m512 m0 = Q4 ? _mm512_loadu_ps(mt + b * 32) : d0, m1 = Q4 ? _mm512_loadu_ps(mt + b * 32 + 16) : d1;
+  for (int64_t r = 0; r < 16; r++) {
+    float* row = acc + r * 32;
+    __m512 v0 = _mm512_load_ps(row), v1 = _mm512_load_ps(row + 16);
+    if constexpr (Q4) {
+      const __m512 s = _mm512_set1_ps(xsum[r * nb + b]);
+      v0 = _mm512_fmadd_ps(s, m0, v0);
+      v1 = _mm512_fmadd_ps(s, m1, v1);
+    }
+    _mm512_store_ps(row, _mm512_fmadd_ps(d0, _mm512_load_ps(c[0][r]), v0));
+    _mm512_store_ps(row + 16, _mm512_fmadd_ps(d1, _mm512_load_ps(c[1][r]), v1));
+  }
+}
+
 // acc [16][32] = 16 input rows times one 32-column tile: C tiles 0-1, B tiles 2-3, the three
-// parts' A tiles 4-6 (none reloaded while a multiply still reads it).
+// parts' A tiles 4-6 (none reloaded while a multiply still reads it). A block's sums are
+// scaled while the tiles multiply the next block: read right after their tile store, the
+// vector loads would wait for it (a layer's GEMMs 1.3-1.4x faster, benchmarks/RESULTS.md).
 template <bool Q4>
 void tile_16x32(const uint16_t* a, const uint16_t* bq, const float* dt, const float* mt, const float* xsum,
                 int64_t nb, float* __restrict acc) {
-  alignas(64) float c[2][16][16];
+  alignas(64) float c[2][2][16][16];  // two blocks' sums: the one stored, the one being scaled
   for (int64_t e = 0; e < 16 * 32; e += 16) _mm512_store_ps(acc + e, _mm512_setzero_ps());
   for (int64_t b = 0; b < nb; b++) {
     const uint16_t* ab = a + b * 3 * AROWS * 32;
@@ -94,22 +115,11 @@ void tile_16x32(const uint16_t* a, const uint16_t* bq, const float* dt, const fl
     _tile_dpbf16ps(1, 5, 3);
     _tile_dpbf16ps(0, 6, 2);
     _tile_dpbf16ps(1, 6, 3);
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
-    const __m512 d0 = _mm512_loadu_ps(dt + b * 32), d1 = _mm512_loadu_ps(dt + b * 32 + 16);
-    const __m512 m0 = Q4 ? _mm512_loadu_ps(mt + b * 32) : d0, m1 = Q4 ? _mm512_loadu_ps(mt + b * 32 + 16) : d1;
-    for (int64_t r = 0; r < 16; r++) {
-      float* row = acc + r * 32;
-      __m512 v0 = _mm512_load_ps(row), v1 = _mm512_load_ps(row + 16);
-      if constexpr (Q4) {
-        const __m512 s = _mm512_set1_ps(xsum[r * nb + b]);
-        v0 = _mm512_fmadd_ps(s, m0, v0);
-        v1 = _mm512_fmadd_ps(s, m1, v1);
-      }
-      _mm512_store_ps(row, _mm512_fmadd_ps(d0, _mm512_load_ps(c[0][r]), v0));
-      _mm512_store_ps(row + 16, _mm512_fmadd_ps(d1, _mm512_load_ps(c[1][r]), v1));
-    }
+    if (b > 0) scale_block<Q4>(c[(b - 1) & 1], dt, mt, xsum, nb, b - 1, acc);
+    _tile_stored(0, c[b & 1][0], 64);
+    _tile_stored(1, c[b & 1][1], 64);
   }
+  scale_block<Q4>(c[(nb - 1) & 1], dt, mt, xsum, nb, nb - 1, acc);
 }
 
 // Rows split and multiplied at a time: the parts' buffer stays small (1,024 rows x k x 6 bytes,
@@ -124,10 +134,12 @@ void amx_rows(const float* x, const uint16_t* bq, const float* dt, const float* 
   const int64_t nb = k / 32, mpad = (m + AROWS - 1) / AROWS * AROWS, tiles = (n + NTILE - 1) / NTILE;
   thread_local std::vector<uint16_t> xp;  // kept from call to call (a decode step makes ~120)
   thread_local std::vector<float> xsum;
-  xp.resize(3 * mpad * k);
+  xp.resize(3 * mpad * k + 32);
   xsum.resize(mpad * nb);
   // Plain pointers for the workers: inside their lambda the thread_local names would be theirs.
-  uint16_t* parts = xp.data();
+  // The parts start on a 64-byte line: a tile load whose rows straddle two lines costs 1.4x
+  // (the GEMM's loads from cache: 470 vs 660 GFLOP/s); vector's own alignment is 16 bytes.
+  uint16_t* parts = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(xp.data()) + 63) & ~uintptr_t{63});
   float* sums = xsum.data();
   split_rows(x, m, mpad, k, parts, sums);
   const int64_t row_items = (mpad + ITEM_ROWS - 1) / ITEM_ROWS, tile_items = (tiles + ITEM_TILES - 1) / ITEM_TILES;
