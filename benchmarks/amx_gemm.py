@@ -36,6 +36,29 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def compare(lib, weights: list, floats: list[torch.Tensor], rows: int, rounds: int) -> str:
+    """One table row: the layer's four GEMMs at ``rows`` rows, AMX and oneDNN alternating."""
+    inputs = [torch.randn(rows, q.k) for q in weights]
+    flops = sum(2 * rows * q.n * q.k for q in weights)
+
+    def amx():
+        return [q.linear_amx(lib, xi, None) for q, xi in zip(weights, inputs)]
+
+    def onednn():
+        return [F.linear(xi, w) for w, xi in zip(floats, inputs)]
+
+    diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(amx(), onednn()))
+    amx_s, dnn_s = [], []
+    for _ in range(rounds):
+        amx_s.append(timed(amx))
+        dnn_s.append(timed(onednn))
+    a, d = statistics.median(amx_s), statistics.median(dnn_s)
+    return (
+        f"| {rows} | {a * 1e3:.2f} | {d * 1e3:.2f} | {flops / a / 1e9:.0f} | {flops / d / 1e9:.0f} "
+        f"| {d / a:.2f} | {diff:.1e} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 1024, 8192])
@@ -54,28 +77,7 @@ def main() -> None:
     print("| rows | AMX ms | oneDNN ms | AMX GFLOP/s | oneDNN GFLOP/s | AMX x | max rel. diff |")
     print("|---|---|---|---|---|---|---|")
     for rows in args.rows:
-        x = torch.randn(rows, weights[0].k)
-        inputs = [x if q.k == x.shape[1] else torch.randn(rows, q.k) for q in weights]
-        flops = sum(2 * rows * q.n * q.k for q in weights)
-
-        def amx():
-            return [q.linear_amx(lib, xi, None) for q, xi in zip(weights, inputs)]
-
-        def onednn():
-            return [F.linear(xi, w) for w, xi in zip(floats, inputs)]
-
-        diff = max(
-            ((a - b).abs().max() / b.abs().max()).item() for a, b in zip(amx(), onednn())
-        )
-        amx_s, dnn_s = [], []
-        for _ in range(args.rounds):
-            amx_s.append(timed(amx))
-            dnn_s.append(timed(onednn))
-        a, d = statistics.median(amx_s), statistics.median(dnn_s)
-        print(
-            f"| {rows} | {a * 1e3:.2f} | {d * 1e3:.2f} | {flops / a / 1e9:.0f} | {flops / d / 1e9:.0f} "
-            f"| {d / a:.2f} | {diff:.1e} |"
-        )
+        print(compare(lib, weights, floats, rows, args.rounds), flush=True)
 
 
 if __name__ == "__main__":
