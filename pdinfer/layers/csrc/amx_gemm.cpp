@@ -134,7 +134,7 @@ constexpr int64_t ROW_CHUNK = 1024;
 template <bool Q4>
 void amx_rows(const float* x, const uint16_t* bq, const float* dt, const float* mt, const float* bias, float* y,
               int64_t m, int64_t n, int64_t k) {
-  const int64_t nb = k / 32, mpad = (m + AROWS - 1) / AROWS * AROWS, tiles = (n + NTILE - 1) / NTILE;
+  const int64_t nb = k / 32, mpad = round_up(m, AROWS), tiles = (n + NTILE - 1) / NTILE;
   thread_local std::vector<uint16_t> xp;  // kept from call to call (a decode step makes ~120)
   thread_local std::vector<float> xsum;
   xp.resize(3 * mpad * k + 32);
@@ -203,10 +203,7 @@ extern "C" int pd_amx_enable() {
 // means q8 blocks. Call only after pd_amx_enable() returned 1.
 extern "C" void pd_amx_quant_gemm(const float* x, const uint16_t* bq, const float* dt, const float* mt,
                                   const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
-  if (mt != nullptr)
-    amx_gemm<true>(x, bq, dt, mt, bias, y, m, n, k);
-  else
-    amx_gemm<false>(x, bq, dt, mt, bias, y, m, n, k);
+  with_block_kind(mt, [&](auto q4) { amx_gemm<decltype(q4)::value>(x, bq, dt, mt, bias, y, m, n, k); });
 }
 
 #else  // no AMX in this build: callers see pd_amx_enable() == 0 and never call the GEMM

@@ -1,11 +1,12 @@
-// Helpers of the native CPU kernels (cpu_kernels.cpp, decode_attention.cpp,
-// prefill_attention.cpp, amx_gemm.cpp): the serial-work threshold, a vectorizable exp, the softmax's
-// numerators, and the KV cache's element type.
+// Helpers of the native CPU kernels (cpu_kernels.cpp, decode_attention.cpp, prefill_attention.cpp,
+// quant_gemm.cpp, amx_gemm.cpp): the serial-work threshold, a vectorizable exp, the softmax's
+// numerators, the GGUF block kind and the KV cache's element type.
 #pragma once
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include "simd.h"
 
 // Work below this many elements runs on the calling thread: waking the pool costs more than
@@ -54,6 +55,16 @@ static inline float softmax_numerators(float* __restrict x, int64_t n, float* ma
 }
 
 static inline int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+
+// f(std::true_type) for Q4 blocks (a minimum per block: mn != nullptr), f(std::false_type) for
+// Q8; the quantized GEMMs' entry points pass it on as their template argument.
+template <typename F>
+static inline void with_block_kind(const float* mn, F&& f) {
+  if (mn != nullptr)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
+}
 
 // f(kv as the cache's element pointer): bfloat16 bits (kv_bf16) or float.
 template <typename F>

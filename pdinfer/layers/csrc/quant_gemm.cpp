@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+#include "kernel_common.h"
 #include "parallel.h"
 #include "tile.h"
 
@@ -302,16 +303,10 @@ extern "C" int64_t pd_quant_stream_rows() {
 // the GGUF rows (a few input rows); pd_quant_gemm_tiled reads the tiled layout (many rows).
 extern "C" void pd_quant_gemm(const float* x, const uint8_t* qs, const float* d, const float* mn,
                               const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
-  if (mn != nullptr)
-    qgemm<true>(x, qs, d, mn, bias, y, m, n, k);
-  else
-    qgemm<false>(x, qs, d, mn, bias, y, m, n, k);
+  with_block_kind(mn, [&](auto q4) { qgemm<decltype(q4)::value>(x, qs, d, mn, bias, y, m, n, k); });
 }
 
 extern "C" void pd_quant_gemm_tiled(const float* x, const uint8_t* qt, const float* dt, const float* mt,
                                     const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
-  if (mt != nullptr)
-    qgemm_tiled<true>(x, qt, dt, mt, bias, y, m, n, k);
-  else
-    qgemm_tiled<false>(x, qt, dt, mt, bias, y, m, n, k);
+  with_block_kind(mt, [&](auto q4) { qgemm_tiled<decltype(q4)::value>(x, qt, dt, mt, bias, y, m, n, k); });
 }
