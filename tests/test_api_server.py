@@ -7,6 +7,7 @@ test_api_server_async_engine.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import httpx
@@ -223,6 +224,7 @@ def test_64_concurrent_streams_complete_and_free_every_block(server, greedy_text
 
 
 def test_client_disconnect_mid_stream_frees_blocks(server):
+    num_aborted = wait_blocks_back(server)["num_aborted"]
     body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True, "stream": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(timeout=120) as http:
@@ -235,17 +237,37 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
                     # Checked while the stream is open: leaving iter_lines() closes the connection.
                     assert kv(server)["free_blocks"] < kv(server)["total_blocks"]  # it is running
                     break
-    # Left alone, the request would decode ~400 more tokens; the abort frees its blocks at once.
     state = wait_blocks_back(server)
     assert state["free_blocks"] == state["total_blocks"]
+    # Left alone, the request would run to max_tokens and free its blocks too: the engine must
+    # have aborted it.
+    assert state["num_aborted"] == num_aborted + 1
 
 
 def test_client_disconnect_without_stream_frees_blocks(server):
+    num_aborted = wait_blocks_back(server)["num_aborted"]
     body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/completions", json=body, timeout=3, headers={"Authorization": f"Bearer {API_KEY}"})
+
+    async def post_and_leave() -> None:
+        async with httpx.AsyncClient(base_url=server, timeout=120) as http:
+            post = asyncio.ensure_future(
+                http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+            )
+            while True:  # until the engine runs it
+                state = (await http.get("/debug/kv")).json()
+                if state["free_blocks"] < state["total_blocks"]:
+                    break
+                assert not post.done(), post.result().text
+                await asyncio.sleep(0.05)
+            assert not post.done()  # ~400 tokens to go: it cannot have finished
+            post.cancel()  # the client goes away: its connection closes mid-request
+            with contextlib.suppress(asyncio.CancelledError):
+                await post
+
+    asyncio.run(post_and_leave())
     state = wait_blocks_back(server)
     assert state["free_blocks"] == state["total_blocks"]
+    assert state["num_aborted"] == num_aborted + 1  # aborted, not run to max_tokens
 
 
 def test_metrics_expose_the_names(server):

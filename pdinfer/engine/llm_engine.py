@@ -88,6 +88,7 @@ class LLMEngine:
         self.step_builder = StepBuilder()
         self.output_processor = OutputProcessor(self)
         self.requests: dict[str, RequestState] = {}
+        self.num_aborted = 0  # live requests aborted (client disconnects included), cumulative
         self.copy_state: dict[int, tuple[int, torch.Tensor]] | None = {}
         self.copy_state_event: Future | None = None
         self._inflight: InFlight | None = None
@@ -278,6 +279,7 @@ class LLMEngine:
         state = self.requests.get(request_id)
         if state is None:
             return
+        self.num_aborted += 1
         self.scheduler.abort(request_id)
         for seq in state.seqs:
             if not seq.is_finished:  # not in the scheduler (e.g. a CE sequence not yet enqueued)

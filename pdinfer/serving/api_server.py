@@ -237,7 +237,11 @@ class OpenAIServer:
 
     async def debug_kv(self) -> dict:
         stats = self.engine.stats
-        return {"free_blocks": stats.num_free_blocks, "total_blocks": stats.num_total_blocks}
+        return {
+            "free_blocks": stats.num_free_blocks,
+            "total_blocks": stats.num_total_blocks,
+            "num_aborted": stats.num_aborted,
+        }
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:

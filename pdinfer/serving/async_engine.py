@@ -59,6 +59,7 @@ class EngineStats:
     num_prefix_hit_tokens: int = 0
     num_prefix_query_tokens: int = 0
     num_preemptions: int = 0
+    num_aborted: int = 0
     num_steps: int = 0
     # PE only: confirmed K/V hand-offs (``PrefillEngine.handoff_stats``), cumulative
     num_handoffs: int = 0
@@ -339,6 +340,7 @@ class AsyncEngine:
             num_prefix_hit_tokens=blocks.num_prefix_hits,
             num_prefix_query_tokens=blocks.num_prefix_queries,
             num_preemptions=scheduler.num_preemptions,
+            num_aborted=self.engine.num_aborted,
             num_steps=self._num_steps,
             num_handoffs=handoffs.get("count", 0),
             handoff_bytes=handoffs.get("bytes", 0),
