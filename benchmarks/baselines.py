@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results.append({**res, "other_cpu_frac": load.fraction, "date": time.ctime()})
 
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    for res in results:  # raw figures, for RESULTS.md and later comparison
+    for res in results:  # raw figures, for docs/performance.md and later comparison
         name = res["backend"].replace(".", "")
         (OUT_DIR / f"baseline-{name}.json").write_text(json.dumps(res) + "\n")
         print(json.dumps({k: v for k, v in res.items() if k != "token_ids"}))

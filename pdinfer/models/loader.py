@@ -120,10 +120,10 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
     init_dummy_weights(model.named_parameters(), model.spec.num_layers, seed)
 
 
-# Dummy weights, "trained-like" (see notes/gpu.md, "bf16 correctness"). With every matrix at
+# Dummy weights, "trained-like" (docs/performance.md, "Method and floors"). With every matrix at
 # N(0, 0.02) a deep random model is chaotic: each layer's output is as large as the residual
-# stream, so a rounding difference grows layer by layer (bf16 vs fp32: 3-6 % of the logits at
-# 16-32 layers), and its logits are i.i.d.-like with top-2 gaps below bf16's rounding of them.
+# stream, so a rounding difference grows layer by layer (bf16 and fp32 logits drift apart by
+# percents), and its logits are i.i.d.-like with top-2 gaps below bf16's rounding of them.
 # Trained models differ in both points, and the init copies them: GPT-2's residual scaling
 # (o_proj and down_proj at std / sqrt(2 * layers)) keeps each layer a small update of a stream
 # carried by the token embedding (std DUMMY_EMBED_STD), and the output layer has a clear winner:
