@@ -1,7 +1,7 @@
 """A CPU decode step's decoder layers in one native call (``csrc/decode_stack.cpp``).
 
-At batch 1 a SmolLM2-135M decode step spends ~5 of its ~19 ms in Python: ~15 calls a layer
-(module calls, tensor views, ``ctypes`` argument conversion) around kernels of microseconds.
+At batch 1 a small model's decode step spends a large share of its time in Python: ~15 calls a
+layer (module calls, tensor views, ``ctypes`` argument conversion) around kernels of microseconds.
 ``DecodeStack`` hands the whole stack to one C++ function that calls the same kernels in the
 same order (RMSNorm, the Q/K/V GEMM, rotary, the K/V write, paged decode attention, the output
 projection, the residual add, RMSNorm, gate/up, SiLU-and-mul, down, the residual add; Qwen3's

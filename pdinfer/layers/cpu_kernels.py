@@ -10,17 +10,17 @@ to float32 exactly as they load it; everything else here takes float32 tensors o
   context chunks across threads (each chunk's softmax alone, merged after).
 - ``pd_prefill_attention``: causal prefill attention of a whole step (every sequence, with or
   without a cached prefix) through the block tables, on the same FMA register tile as the
-  quantized GEMM (Q K^T, exact softmax, P V): ~2-3x torch's CPU SDPA for the 30-500-token
-  prompts of the offline benchmark, where SDPA reaches 50-70 GFLOP/s.
+  quantized GEMM (Q K^T, exact softmax, P V): faster than torch's CPU SDPA, which the engine
+  would call once per sequence, on prompts of a few hundred tokens.
 - ``pd_small_gemm``: a decode step of a few sequences is a matrix-vector product per weight,
   bound by how fast the weights stream from memory; eight weight rows at a time, with the few
-  input rows in L1, it streams them ~1.5x faster than oneDNN/MKL here.
+  input rows in L1, it streams them faster than oneDNN/MKL do.
 - ``pd_quant_gemm``: the same for a GGUF model's Q4_0/Q4_1/Q8_0 blocks, de-quantized in
-  registers (bit-identical weights, a fifth to a quarter of the bytes): batch-1 decode of the
-  default model at ~2x the float path. ``pd_quant_gemm_tiled``, for more rows (large decode
-  batches), reads a copy of the blocks laid out by tiles of 32 weight rows and de-quantizes
-  256 input positions of a tile at a time into an L1 panel for an FMA register kernel (8 x 32
-  with AVX-512, 6 x 16 with AVX2).
+  registers (bit-identical weights, a fifth to a quarter of the bytes), so a batch-1 decode
+  step reads that much less memory than the float path. ``pd_quant_gemm_tiled``, for more rows
+  (large decode batches), reads a copy of the blocks laid out by tiles of 32 weight rows and
+  de-quantizes 256 input positions of a tile at a time into an L1 panel for an FMA register
+  kernel (8 x 32 with AVX-512, 6 x 16 with AVX2).
 - ``pd_amx_quant_gemm``: the same blocks for steps of 32 rows or more on AMX tiles, where
   the CPU has them: each input value split into three bfloat16 parts, the quants exact in
   bfloat16, float32 sums, so the result keeps float32 accuracy (``amx_gemm.cpp``).

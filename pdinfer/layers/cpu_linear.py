@@ -1,10 +1,10 @@
 """CPU linear layers through oneDNN with weights reordered once at load ("packed").
 
-On the 2-core AVX2 machine we measure on, oneDNN with a reordered weight beats the default
-MKL ``sgemm`` that ``F.linear`` calls at every batch size the engine runs: about 1.6x at 64 rows
-and 1.2x at 1024 rows; the tied 49k-row vocabulary projection gains the most. For a few rows
-(batch-1 decode) the native ``pd_small_gemm`` (``cpu_kernels``) streams the plain weights
-faster still. Only float32 on CPU is packed; anything else keeps ``nn.Linear``.
+oneDNN with a weight reordered once for it beats the default MKL ``sgemm`` that ``F.linear``
+calls at every batch size the engine runs; the tied 49k-row vocabulary projection gains the
+most (figures in docs/performance.md). For a few rows (batch-1 decode) the native
+``pd_small_gemm`` (``cpu_kernels``) streams the plain weights faster still. Only float32 on
+CPU is packed; anything else keeps ``nn.Linear``.
 
 Weights that came from a GGUF file as Q4_0/Q4_1/Q8_0 blocks also keep those blocks
 (``QuantWeight``): up to ``QuantWeight.max_rows`` rows ``pd_quant_gemm`` reads them instead of
@@ -38,16 +38,14 @@ from pdinfer.layers import cpu_kernels
 
 logger = logging.getLogger("pdinfer")
 
-# oneDNN picks a weight layout for this many rows; measured good from 1 to 4096 rows.
+# oneDNN picks a weight layout for this many rows; that one layout serves steps of 1 to 4096 rows.
 PACK_BATCH_HINT = 64
 # Up to this many rows, the native small GEMM (when built) beats oneDNN.
 SMALL_GEMM_MAX_ROWS = 4
-# Block-quantized weights, all of SmolLM2-135M's Q4 matrices once, 2-core AVX-512 machine,
-# alternating in one process (2026-12-01): the tiled GEMM (above the row-streaming one's
-# ``cpu_kernels.quant_stream_rows``) up to 192 rows (64/128/192 rows 53/96/146 ms, oneDNN on the
-# floats 75/113/162; 256: a tie; 384: 524 vs 402; the AVX2 build against oneDNN held to AVX2:
-# 92/178/259 vs 112/193/274 ms). The Q8_0 vocabulary projection costs more to de-quantize and
-# saves less: tiled and oneDNN tie at 32-64 rows (12.1/17.7 vs 12.0/18.2 ms), oneDNN wins from 96.
+# Rows up to which the tiled GEMM (above the row-streaming one's ``cpu_kernels.quant_stream_rows``)
+# beats oneDNN on the de-quantized floats, with AVX-512 and AVX2 alike; from 256 rows oneDNN is
+# as fast or faster. Q8_0 blocks cost more to de-quantize and save fewer bytes, so the Q8_0
+# vocabulary projection goes to oneDNN above 64 rows. Timings: docs/performance.md.
 QUANT_TILED_MAX_ROWS = {"q4": 192, "q8": 64}
 # Weight rows per tile of the tiled GEMM's layout (``QuantWeight.tiles``).
 QUANT_TILE = 32

@@ -55,8 +55,8 @@ PREFILL_CONFIG = {"block_n": 128, "num_warps": 8, "num_stages": 2}
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int | None = None, num_sms: int = 132) -> int:
-    """Splits per sequence so that a decode launch has about two programs per multiprocessor
-    (measured on the H200, batch 64 x 8 KV heads: one split 45 us, two 50 us, four 53 us).
+    """Splits per sequence so that a decode launch has about two programs per multiprocessor:
+    more splits add programs and merge work without making a launch shorter (docs/performance.md).
 
     Depends on the batch (and, outside CUDA graphs, on the longest context: a short context is
     not worth splitting).

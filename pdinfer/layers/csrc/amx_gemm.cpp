@@ -29,8 +29,8 @@ constexpr int64_t AROWS = 16, NTILE = 32;
 // Work items: 64 input rows by up to 8 output tiles (256 weight rows); of 16-256 rows by 4-16
 // tiles, the best at 8,192 rows (a layer's four GEMMs) and at 64 (the vocabulary projection).
 // Fewer tiles an item where that gives too few items to share out: a 64-row decode step of a
-// 576-wide output (o_proj, down_proj) made 3 items for 2 threads, one thread idle a third of
-// the time; in 6 items of 3 tiles a layer's four GEMMs at 64 rows 1.58 vs 1.98 ms.
+// 576-wide output (o_proj, down_proj) would make 3 items for 2 threads, one thread idle a third
+// of the time, where 6 items of 3 tiles keep both busy.
 constexpr int64_t ITEM_ROWS = 64, ITEM_TILES = 8;
 
 // Palette 1, all eight tiles 16 rows of 64 bytes (C: 16 x 16 floats; A: 16 x 32 bfloat16;
@@ -97,7 +97,7 @@ inline void scale_block(const float (*c)[16][16], const float* dt, const float* 
 // acc [16][32] = 16 input rows times one 32-column tile: C tiles 0-1, B tiles 2-3, the three
 // parts' A tiles 4-6 (none reloaded while a multiply still reads it). A block's sums are
 // scaled while the tiles multiply the next block: read right after their tile store, the
-// vector loads would wait for it (a layer's GEMMs 1.3-1.4x faster, benchmarks/RESULTS.md).
+// vector loads would wait for it.
 template <bool Q4>
 void tile_16x32(const uint16_t* a, const uint16_t* bq, const float* dt, const float* mt, const float* xsum,
                 int64_t nb, float* __restrict acc) {
@@ -126,9 +126,8 @@ void tile_16x32(const uint16_t* a, const uint16_t* bq, const float* dt, const fl
 }
 
 // Rows split and multiplied at a time: the parts' buffer stays small (1,024 rows x k x 6 bytes,
-// 9 MB for SmolLM2's widest input) and warm in cache. A layer's four GEMMs at 8,192 rows, 12
-// alternations: 217 ms in pieces of 1,024 against 238 in one piece (faster in 12 of 12);
-// pieces of 512 and 256 rows 202 and 218 against 207 for 1,024 in another sitting.
+// 9 MB for SmolLM2's widest input) and warm in cache. Large steps are faster in pieces than in
+// one; 256 and 512 rows were no better than 1,024 (docs/performance.md).
 constexpr int64_t ROW_CHUNK = 1024;
 
 template <bool Q4>
@@ -140,8 +139,8 @@ void amx_rows(const float* x, const uint16_t* bq, const float* dt, const float* 
   xp.resize(3 * mpad * k + 32);
   xsum.resize(mpad * nb);
   // Plain pointers for the workers: inside their lambda the thread_local names would be theirs.
-  // The parts start on a 64-byte line: a tile load whose rows straddle two lines costs 1.4x
-  // (the GEMM's loads from cache: 470 vs 660 GFLOP/s); vector's own alignment is 16 bytes.
+  // The parts start on a 64-byte line: a tile load whose rows straddle two cache lines is much
+  // slower; vector's own alignment is 16 bytes.
   uint16_t* parts = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(xp.data()) + 63) & ~uintptr_t{63});
   float* sums = xsum.data();
   split_rows(x, m, mpad, k, parts, sums);
@@ -183,10 +182,8 @@ void amx_gemm(const float* x, const uint16_t* bq, const float* dt, const float* 
 
 }  // namespace
 
-// Rows from which the AMX GEMM beats the tiled one (pd_quant_gemm_tiled), 2-core Xeon, 12-02:
-// a layer's four Q4_1 GEMMs at 16 / 32 / 64 / 192 rows 1.04 / 0.93 / 2.1 / 5.2 ms against
-// 0.73 / 1.03 / 2.4 / 6.4; the Q8_0 vocabulary projection at 16 / 32 / 64 rows 6.4 / 11.3 / 9-13
-// against 5.9 / 12.2 / 23 (it reads two bytes a weight, so few rows stay with the tiled GEMM).
+// Rows from which the AMX GEMM beats the tiled one (pd_quant_gemm_tiled), for the Q4 layers and
+// the Q8_0 vocabulary projection alike; below it the tiled GEMM is faster (docs/performance.md).
 extern "C" int64_t pd_amx_min_rows() { return 32; }
 
 // 1 if this build has the AMX GEMM and Linux lets the process use the tiles (asked once).

@@ -16,7 +16,7 @@
 // s: strides of the layer view [blocks, 2, block_size, KVH, D] in cache elements (block, k->v,
 // token, head) and the block size. DIM > 0 fixes head_dim at compile time (full unrolling).
 // T: the cache's element, float or bfloat16 bits (uint16_t); the arithmetic is float32 either way.
-// Every cache line of the next block is prefetched (measured faster than one line per row or none).
+// Every cache line of the next block is prefetched (faster than one line per row, or none).
 template <typename T>
 static inline void prefetch_block(const T* base, int64_t n, int64_t nh, const int64_t* s, int64_t dim) {
   constexpr int64_t line = 64 / sizeof(T);

@@ -1,6 +1,6 @@
 // A CPU decode step's whole decoder stack in one native call (pdinfer/layers/cpu_decode_stack.py):
 // the same kernels the torch modules call, one after another, without the ~15 Python calls a
-// layer costs (~5 ms of a ~19 ms batch-1 step on SmolLM2-135M). The CPU counterpart of a CUDA
+// layer costs (a large share of a small model's batch-1 step). The CPU counterpart of a CUDA
 // graph: same arithmetic, same order, so the output equals the modules' bit for bit.
 #include <ATen/Parallel.h>
 #include <cstdint>

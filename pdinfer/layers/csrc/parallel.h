@@ -1,8 +1,7 @@
 // Work shared out at run time: the threads take items one at a time from one counter, so a thread
 // whose core is slowed down (another process, the hypervisor) takes fewer, where a static split
-// leaves the other thread waiting at the region's end. On the 2-core Xeon (12-02) each thread
-// spent 2-9 % of a decode-heavy run waiting at barriers, by turns; items handed out made the
-// batch-64 4-bit GEMMs 5 % faster and the vocabulary projection 10 % (benchmarks/RESULTS.md).
+// leaves the other thread waiting at the region's end: on a shared 2-core machine whichever core
+// is slowed holds the other back at every barrier (docs/performance.md has the figures).
 #pragma once
 #include <ATen/Parallel.h>
 #include <algorithm>

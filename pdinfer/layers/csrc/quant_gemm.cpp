@@ -49,8 +49,8 @@ static inline void dequant_block(const uint8_t* __restrict qr, int64_t b, float 
 }
 #endif
 
-// Weight rows prefetched ahead of the one in use (measured: 4 beats 2 and 8; without prefetch
-// one row's three streams, quants, scales and minimums, run at ~7 GB/s on two cores).
+// Weight rows prefetched ahead of the one in use: one row's three streams (quants, scales,
+// minimums) alone stay far below the memory's read rate. 4 ahead beat 2 and 8.
 constexpr int64_t PF_ROWS = 4;
 
 template <bool Q4>
@@ -179,8 +179,8 @@ static void qgemm(const float* x, const uint8_t* qs, const float* d, const float
     for (int64_t j = 0; j < 32; j++) s += x[(i / nb) * k + (i % nb) * 32 + j];
     xsum[i] = s;
   }
-  // A static split: each thread streams one contiguous half of the rows (handing out chunks
-  // measured slower here at batch 1: 71-114 vs 74-120 tok/s, the streams restart every chunk).
+  // A static split: each thread streams one contiguous half of the rows (handing out chunks is
+  // slower at batch 1: each thread's streams restart every chunk).
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t i0 = 0; i0 < m; i0 += 4) {  // up to four input rows share one weight pass
       const float* xi = x + i0 * k;
@@ -288,9 +288,8 @@ static void qgemm_tiled(const float* x, const uint8_t* qt, const float* dt, cons
   });
 }
 
-// Input rows up to which the row-streaming loop beats the tiled one on this build (2-core
-// machines, all of SmolLM2's Q4 matrices once: AVX-512 4 rows, 8.95 vs 9.06 ms, 5 rows 14.3 vs
-// 10.9; AVX2 8 rows, 26.7 vs 32.3 ms, 12 rows 36.7 vs 34.9).
+// Input rows up to which the row-streaming loop beats the tiled one on this build: 4 with
+// AVX-512, 8 with AVX2 (timings in docs/performance.md).
 extern "C" int64_t pd_quant_stream_rows() {
 #if defined(__AVX512F__)
   return 4;
