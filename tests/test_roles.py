@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -36,7 +37,6 @@ class Traced(LLMEngine):
         self.trace: list[str] = []
         self.pd_split_saw_cache = None
         self.copy_all = copy_state_for_all
-        self.saved: list[tuple] = []
         super().__init__(*args, **kwargs)
 
     def init_pd_split(self):
@@ -55,10 +55,7 @@ class Traced(LLMEngine):
 
     def do_save_kvcache(self, scheduled, finished):
         self.trace.append("do_save_kvcache")
-        if self.copy_all:
-            self.saved.append(
-                (self.copy_state_event, dict(self.copy_state), [(s.seq_id, list(s.block_table)) for s in scheduled])
-            )
+        super().do_save_kvcache(scheduled, finished)
 
 
 def _traced_method(name):
@@ -168,24 +165,61 @@ def test_prompt_never_finalizes_while_normal_does():
     assert counts == {EngineType.PROMPT: 0, EngineType.NORMAL: 1}
 
 
+class RunWhenWaited(Future):
+    """Work that runs only when someone waits for it: the latest an asynchronous copy (a CUDA side
+    stream, a helper thread) may finish."""
+
+    def __init__(self, work):
+        super().__init__()
+        self._work = work
+
+    def result(self, timeout=None):
+        if not self.done():
+            try:
+                self.set_result(self._work())
+            except BaseException as exc:  # noqa: BLE001 - delivered to whoever waits
+                self.set_exception(exc)
+        return super().result(timeout)
+
+
+class LateCopies(Traced):
+    """Copies every decode sequence's state through the engine's executor, each copy completing
+    only when waited for; ``do_save_kvcache`` records the snapshot it finds next to the live K/V."""
+
+    def __init__(self, args):
+        super().__init__(args, copy_state_for_all=True)
+        submit_call = self.executor.submit_call
+        self.executor.submit_call = lambda fn, *a: RunWhenWaited(lambda: submit_call(fn, *a).result())
+        self.copied_num_tokens: dict[int, int] = {}
+        self.seen: list[tuple] = []
+
+    def do_copy_state(self, seqs):
+        self.copied_num_tokens = {seq.seq_id: seq.num_computed_tokens - 1 for seq in seqs}
+        super().do_copy_state(seqs)
+
+    def do_save_kvcache(self, scheduled, finished):
+        super().do_save_kvcache(scheduled, finished)
+        cache = self.model_runner.require_cache()
+        for seq in scheduled:
+            num_tokens, copy = self.copy_state.get(seq.seq_id, (None, None))
+            self.seen.append((self.copied_num_tokens[seq.seq_id], num_tokens, copy, cache.read_blocks(seq.block_table)))
+
+
 def test_copied_state_is_synchronised_before_do_save_kvcache(monkeypatch, prompt_ids):
     monkeypatch.setenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", "1")  # the copy races the forward
-    e = engine(cls=Traced, copy_state_for_all=True)
+    e = LateCopies(EngineArgs(**SMALL))
     assert e.zero_overhead
     for i, ids in enumerate(prompt_ids[:3]):
         e.add_request(str(i), {"prompt_token_ids": ids}, GREEDY)
     run_all(e)
-    assert e.saved
+    assert len(e.seen) >= 3 * (GREEDY.max_tokens - 1)  # every decode step of every sequence
     bs = e.cache_config.block_size
-    for event, snapshot, scheduled in e.saved:
-        assert event is None or event.done()
-        for seq_id, blocks in scheduled:
-            num_tokens, copy = snapshot[seq_id]
-            live = e.model_runner.cache.read_blocks(blocks[: copy.shape[0]])
-            positions = torch.arange(num_tokens)
-            got = copy[positions // bs, :, :, positions % bs]
-            want = live[positions // bs, :, :, positions % bs]
-            assert torch.equal(got, want) and got.abs().sum() > 0
+    for copied_num_tokens, num_tokens, copy, live in e.seen:
+        assert num_tokens == copied_num_tokens  # this step's snapshot: not missing, not the last step's
+        positions = torch.arange(num_tokens)
+        got = copy[positions // bs, :, :, positions % bs]
+        want = live[positions // bs, :, :, positions % bs]
+        assert torch.equal(got, want) and got.abs().sum() > 0
 
 
 # --- the hook order ----------------------------------------------------------------------------------
