@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
 _SEED_BITS = 31
+_INT32_MAX = 2**31 - 1
+# Bounds on what one request may ask for (vLLM's default max_logprobs is 20 too).
+MAX_LOGPROBS = 20
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass
@@ -31,22 +47,32 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self._stop_strings = tuple(s for s in (self.stop or []) if s)
         self.verify()
+        self._stop_strings = tuple(s for s in (self.stop or []) if s)
         if self.top_k == 0:
             self.top_k = -1
 
     def verify(self) -> None:
+        """Check every field as if it came from a stranger (the P/D endpoints take any field):
+        a value that passes is one the sampler, the stop checks and the scheduler can handle."""
+
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                bad(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             bad(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or (self.top_k < -1):
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= _INT32_MAX:
             bad(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
@@ -56,15 +82,28 @@ class SamplingParams:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= _INT32_MAX):
             bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            bad(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}")
-        for token_id in self.stop_token_ids or []:
-            if not isinstance(token_id, int) or token_id < 0:
-                bad(f"stop_token_ids must be non-negative integers, got {token_id!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
+            bad(f"seed must be a 64-bit signed integer, got {self.seed!r}")
+        self._verify_stops()
+
+    def _verify_stops(self) -> None:
+        stop = self.stop or []
+        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+            raise ValueError(
+                f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters"
+            )
+        token_ids = self.stop_token_ids or []
+        if not isinstance(token_ids, list | tuple) or len(token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+        for token_id in token_ids:
+            if not _is_int(token_id) or not 0 <= token_id <= _INT32_MAX:
+                raise ValueError(f"stop_token_ids must be non-negative 32-bit integers, got {token_id!r}")
 
     @property
     def greedy(self) -> bool:

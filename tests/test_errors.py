@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from conftest import assert_blocks_back, make_llm
 
@@ -49,6 +51,35 @@ def test_bad_prompts_raise_before_anything_runs(llm, prompt, message):
         ({"n": 0}, "n must be"),
         ({"min_p": 2.0}, "min_p"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        # What a stranger may send to an engine entry point (/pd/decode, /pd/prefill take any
+        # SamplingParams field): each would have killed the engine loop or hung a request.
+        ({"logprobs": 100_000}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": float("-inf")}, "frequency_penalty"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"n": 10**6}, "n must be"),
+        ({"n": True}, "n must be"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"max_tokens": 2**63}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"stop": [1, 2]}, "stop"),
+        ({"stop": {"a": 1}}, "stop"),
+        ({"stop": ["x"] * 1000}, "stop"),
+        ({"stop": ["x" * 100_000]}, "stop"),
+        ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+        ({"stop_token_ids": list(range(100_000))}, "stop_token_ids"),
+        ({"ignore_eos": "no"}, "ignore_eos"),
+        ({"skip_special_tokens": None}, "skip_special_tokens"),
+        ({"temperature": "hot"}, "temperature"),
     ],
 )
 def test_bad_sampling_params_are_refused(kwargs, message):
@@ -85,3 +116,67 @@ def test_duplicate_request_id_is_refused(llm):
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     _still_serves(llm)
+
+
+def test_sampling_params_changed_after_construction_are_checked_again(llm):
+    params = SamplingParams(max_tokens=2, logprobs=2)
+    params.logprobs = 100_000  # the engine verifies what it receives, not what was once valid
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.engine.add_request("late", "Hello", params)
+    assert "late" not in llm.engine.requests
+    _still_serves(llm)
+
+
+# --- requests the KV cache can never hold ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_cache_llm():
+    return make_llm(num_kv_blocks=8, max_model_len=256)  # 8 blocks of 16: 128 tokens of K/V
+
+
+def _run_bounded(engine, max_steps: int = 400) -> dict:
+    outs = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return outs
+        for out in engine.step():
+            outs[out.request_id] = out
+    raise AssertionError(f"still unfinished after {max_steps} steps: {sorted(engine.requests)}")
+
+
+@pytest.mark.parametrize(
+    "num_prompt_tokens, max_tokens, message",
+    [(200, 4, "prompt of 200 tokens"), (48, 100, "max_tokens 100")],  # 200 > 128; 48 + 99 > 128
+)
+def test_a_request_the_kv_cache_can_never_hold_is_refused_at_admission(
+    small_cache_llm, num_prompt_tokens, max_tokens, message
+):
+    engine = small_cache_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("too-big", {"prompt_token_ids": [100] * num_prompt_tokens}, params)
+    assert "too-big" not in engine.requests
+    # Nothing was left behind to block the queue: a request that fits runs at once.
+    engine.add_request("fits", {"prompt_token_ids": [100] * 48}, params.clone(max_tokens=4))
+    assert _run_bounded(engine)["fits"].outputs[0].token_ids.__len__() == 4
+    assert_blocks_back(engine)
+
+
+def test_an_open_ended_request_ends_with_length_when_the_cache_is_full(small_cache_llm):
+    engine = small_cache_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    engine.add_request("open", {"prompt_token_ids": [100] * 48}, params)
+    out = _run_bounded(engine)["open"]
+    assert out.error is None and out.outputs[0].finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 128 - 48 + 1  # every K/V slot used
+    assert_blocks_back(engine)
+
+
+def test_a_cache_smaller_than_the_context_is_a_warning_at_start_up(caplog):
+    logger = logging.getLogger("pdinfer")  # it does not propagate to the root logger
+    logger.addHandler(caplog.handler)
+    try:
+        make_llm(num_kv_blocks=8, max_model_len=256)
+    finally:
+        logger.removeHandler(caplog.handler)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("128 tokens" in w and "max_model_len" in w for w in warnings), warnings

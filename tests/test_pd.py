@@ -172,6 +172,19 @@ def test_ce_without_room_refuses_and_the_request_is_not_lost(connector, prompt_i
         e.shutdown()
 
 
+def test_a_ce_reserves_no_more_than_the_request_can_use(connector):
+    # 3 blocks of 16; 39 prompt tokens + max_tokens 8 need 46 slots: the 16-token decode margin
+    # (4 blocks) must not make a request that fits look like one that never will.
+    ce = ce_engine(num_kv_blocks=3, connector=connector)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    reservation = ce.reserve("r", {"prompt_token_ids": list(range(1, 40))}, params)
+    assert len(reservation.block_ids) == 3
+    ce.abort_request("r")
+    drain(ce)
+    all_free(ce)
+    ce.shutdown()
+
+
 def test_handshake_mismatch_is_refused_at_connect(connector):
     ce = ce_engine(connector=connector, reservation_timeout_s=1.0)
     pe = PrefillEngine(

@@ -19,6 +19,7 @@ from scheduler_helpers import (
 )
 
 from pdinfer.config import SchedulerConfig
+from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import SequenceStatus
 
 
@@ -208,4 +209,59 @@ def test_a_sequence_at_its_output_limit_is_not_scheduled():
     assert plan.is_empty and not plan.prompt_run
     land_tokens(sched, sched.schedule())
     finish_all(sched)
+    assert_all_blocks_free(sched)
+
+
+# --- admission: what the KV cache can never hold ------------------------------------------------
+# 4 blocks of 4 tokens: 16 K/V slots in all. A request's last output token needs no slot, so a
+# prompt of P tokens with max_tokens M needs P + M - 1.
+def test_admission_refuses_what_the_cache_can_never_hold():
+    sched = make(num_blocks=4)
+    with pytest.raises(ValueError, match="prompt of 17 tokens"):
+        sched.admit(seq_of(17, max_tokens=1))  # the prompt alone needs 5 blocks of the 4
+    sched.admit(seq_of(10, max_tokens=7))  # 10 + 7 - 1 = 16 slots: fits exactly
+    with pytest.raises(ValueError, match="max_tokens 8"):
+        sched.admit(seq_of(10, max_tokens=8))  # 17 slots
+    make(PROMPT, num_blocks=4).admit(seq_of(16, max_tokens=100))  # a PE holds the prompt only
+    with pytest.raises(ValueError, match="prompt of 17 tokens"):
+        make(PROMPT, num_blocks=4).admit(seq_of(17, max_tokens=1))
+
+
+def test_an_open_ended_output_is_bounded_by_the_cache_and_ends_at_its_bound():
+    sched = make(num_blocks=4)
+    seq = seq_of(10, max_tokens=54)  # 54: the room left by max_model_len 64
+    seq.sampling_params = SamplingParams(max_tokens=None)
+    sched.admit(seq)
+    assert seq.max_tokens == 7  # 16 slots - 10 prompt tokens + 1
+    sched.add_sequence(seq)
+    land_tokens(sched, sched.schedule())  # prefill: 3 blocks, first output token
+    decode_steps = 0
+    while not seq.reached_max_tokens:
+        plan = sched.schedule()
+        assert plan.scheduled_seqs == [seq] and not plan.preempted_seqs
+        land_tokens(sched, plan)
+        decode_steps += 1
+    assert decode_steps == 6 and seq.num_output_tokens == 7  # positions 10..15
+    assert sched.block_manager.num_free_blocks == 0  # every slot used, none more asked for
+    assert sched.schedule().is_empty
+    finish_all(sched)
+    assert_all_blocks_free(sched)
+
+
+def test_a_running_sequence_that_outgrows_the_cache_ends_with_length():
+    # Admission bounds an engine's requests; one added without it must still end, not preempt
+    # itself and recompute forever.
+    sched = make(num_blocks=4)
+    seq = seq_of(10, max_tokens=100)
+    sched.add_sequence(seq)
+    land_tokens(sched, sched.schedule())  # prefill: 3 blocks, 11 tokens
+    for _ in range(6):  # positions 10..15: the 4th block
+        plan = sched.schedule()
+        assert plan.scheduled_seqs == [seq]
+        land_tokens(sched, plan)
+    plan = sched.schedule()  # position 16 would need a 5th block of the 4
+    assert plan.is_empty and plan.preempted_seqs == [seq]
+    assert seq.status is SequenceStatus.FINISHED_LENGTH and seq.finish_reason == "length"
+    assert seq.num_output_tokens == 7 and sched.num_preemptions == 0
+    assert seq not in sched.running and not sched.waiting
     assert_all_blocks_free(sched)

@@ -47,8 +47,42 @@ class Scheduler:
         self.finished: list[Sequence] = []  # finished since the last plan; finalized with it
         self.decode_step = 0  # decode steps since the last prefill step (NORMAL)
         self.num_preemptions = 0
+        if self.capacity_tokens < config.max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens (%d blocks of %d), fewer than max_model_len=%d: a request "
+                "that needs more is refused, an open-ended one ends with finish_reason 'length'",
+                self.capacity_tokens,
+                block_manager.num_total_blocks,
+                block_manager.block_size,
+                config.max_model_len,
+            )
+
+    @property
+    def capacity_tokens(self) -> int:
+        """K/V slots in the whole cache: no sequence ever holds more."""
+        return self.block_manager.num_total_blocks * self.block_manager.block_size
 
     # --- entry points ------------------------------------------------------------------------
+    def admit(self, seq: Sequence) -> None:
+        """Refuse (ValueError) a new sequence the KV cache could never hold, even alone: it would
+        wait, or preempt itself, forever. An open-ended output (no max_tokens) is bounded by the
+        cache instead, and ends with finish_reason "length" there."""
+        capacity, prompt = self.capacity_tokens, seq.num_prompt_tokens
+        if prompt > capacity:
+            raise ValueError(f"prompt of {prompt} tokens can never fit in this engine's KV cache ({capacity} tokens)")
+        if self.engine_type is EngineType.PROMPT:
+            return  # a PE holds the prompt only; the CE holds the output
+        needed = prompt + seq.max_tokens - 1  # the last output token is never computed
+        if needed <= capacity:
+            return
+        if seq.sampling_params.max_tokens is None:
+            seq.max_tokens = capacity - prompt + 1
+            return
+        raise ValueError(
+            f"prompt of {prompt} tokens with max_tokens {seq.max_tokens} needs {needed} tokens of KV "
+            f"cache, this engine's holds {capacity}: lower max_tokens to {capacity - prompt + 1} or less"
+        )
+
     def add_sequence(self, seq: Sequence) -> None:
         seq.arrival_time = time.monotonic()
         seq.status = SequenceStatus.WAITING
@@ -297,6 +331,9 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if seq.reached_max_tokens or seq.num_tokens >= cfg.max_model_len:
                 continue  # finishes when its in-flight token lands; nothing more to compute
+            if bm.blocks_for(seq.num_computed_tokens + 1) > bm.num_total_blocks:
+                self._end_outgrown(seq, outputs)  # preempting could never make room
+                continue
             while not bm.can_append_slot(seq):
                 victim = self.running[-1]
                 self._preempt(victim, outputs)
@@ -310,6 +347,15 @@ class Scheduler:
             bm.register_full_blocks(seq)
             outputs.add(seq, 1, do_sample=True)
         return outputs
+
+    def _end_outgrown(self, seq: Sequence, outputs: SchedulerOutputs) -> None:
+        """A sequence longer than the whole cache (``admit`` keeps engines' requests from
+        getting here) ends with "length", reported like a stopped preemption."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        self._free_state(seq)
+        seq.finish(SequenceStatus.FINISHED_LENGTH)
+        outputs.preempted_seqs.append(seq)
 
     def _preempt(self, seq: Sequence, outputs: SchedulerOutputs) -> None:
         self.running.remove(seq)

@@ -65,7 +65,9 @@ class CompletionEngine(LLMEngine):
     ) -> Reservation:
         seq = self.add_request(request_id, prompt, sampling_params, arrival_time, enqueue=False)
         bm = self.block_manager
-        needed = bm.blocks_for(seq.num_prompt_tokens + self.pd_config.decode_margin_tokens)
+        # never more than the request can use (add_request admitted prompt + max_tokens - 1)
+        margin = min(self.pd_config.decode_margin_tokens, seq.max_tokens - 1)
+        needed = bm.blocks_for(seq.num_prompt_tokens + margin)
         if needed > bm.num_free_blocks or len(self.scheduler.running) >= self.scheduler_config.max_num_seqs:
             del self.requests[request_id]
             raise NoRoomError(

@@ -212,6 +212,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
         )
+        self.scheduler.admit(seq)  # refuses what the KV cache can never hold (before anything is kept)
         state = RequestState(request_id, text, token_ids, params, [seq])
         if arrival_time is not None:
             state.arrival_time = arrival_time

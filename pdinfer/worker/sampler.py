@@ -83,7 +83,9 @@ class Sampler:
         if raw_logprobs is not None:
             out.logprobs = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
             if t.max_logprobs > 0:
-                out.top_logprobs, out.top_ids = raw_logprobs.topk(t.max_logprobs, dim=-1)
+                # never more than the vocabulary (a tiny model's may be under SamplingParams' bound)
+                k = min(t.max_logprobs, raw_logprobs.shape[-1])
+                out.top_logprobs, out.top_ids = raw_logprobs.topk(k, dim=-1)
         return out
 
 
