@@ -74,6 +74,7 @@ def transport(lengths: list[int], repeats: int, connectors: list[str]) -> list[l
 
 
 def _push_once(ce, pe, cache, instance, transfer_id, n, blocks, payload) -> float:
+    ce.gate.expect(transfer_id, "x", payload.nbytes)  # what a reservation does: the port lets it in
     start = time.perf_counter()
     push = KVPush(
         transfer_id=transfer_id,

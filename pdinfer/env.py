@@ -120,6 +120,13 @@ _declare(
     "Log level of the pdinfer logger (DEBUG, INFO, WARNING, ERROR).",
 )
 _declare(
+    "PDINFER_KV_SECRET",
+    str,
+    "",
+    "The shared secret of a P/D cluster's KV hand-off (what --kv-secret sets; the flag wins). "
+    "`pdinfer launch` generates one per cluster and hands it to its engines here, out of `ps`.",
+)
+_declare(
     "PDINFER_STEP_LOG",
     str,
     "",

@@ -203,7 +203,10 @@ def test_nccl_pair_drains_a_refused_push_and_lands_the_next():
         pe.register(layout)
         instance = pe.connect(ce.address)
         pushes = []
-        for transfer_id, src in (("refused", [0, 1]), ("landed", [4, 2, 5])):
+        # "unknown" was never reserved: the KV port refuses it on arrival and still drains its bytes.
+        for transfer_id, src in (("refused", [0, 1]), ("unknown", [3]), ("landed", [4, 2, 5])):
+            if transfer_id != "unknown":
+                ce.gate.expect(transfer_id, transfer_id, len(src) * ce_cache.bytes_per_block)  # reserved
             staged, nbytes, crc = pe.stage_blocks(
                 SimpleNamespace(kv=pe_kv, bytes_per_block=ce_cache.bytes_per_block), src
             ).finish()
@@ -236,11 +239,12 @@ def test_nccl_pair_drains_a_refused_push_and_lands_the_next():
         acks = []
         for _ in range(200):
             acks += pe.events()
-            if len(acks) == 2 and pe.staged_bytes == 0:
+            ce.receive()  # (the engine's steps: the CE posts the drain of "unknown" here)
+            if len(acks) == 3 and pe.staged_bytes == 0:
                 break
             time.sleep(0.05)
-        assert sorted((a.transfer_id, a.ok) for a in acks) == [("landed", True), ("refused", False)]
-        assert pe.staged_bytes == 0  # both regions back once their sends completed
+        assert sorted((a.transfer_id, a.ok) for a in acks) == [("landed", True), ("refused", False), ("unknown", False)]
+        assert pe.staged_bytes == 0  # every region back once its send completed
     finally:
         pe.close()
         ce.close()

@@ -285,3 +285,31 @@ def test_engines_get_one_gpu_each_in_turn():
     assert engine_devices("auto", 2, num_gpus=1) == [None, None]  # one GPU: all share it
     assert engine_devices("cuda:1", 2, num_gpus=2) == [None, None]  # an explicit device wins
     assert engine_devices("cpu", 2, num_gpus=2) == [None, None]
+
+
+def _launch_args(*flags: str):
+    import argparse
+
+    from pdinfer.serving.launch import add_launch_parser
+
+    parser = argparse.ArgumentParser()
+    add_launch_parser(parser.add_subparsers())
+    return parser.parse_args(["launch", *flags])
+
+
+def test_launch_hands_its_engines_a_random_kv_secret_in_their_environment(tmp_path):
+    from pdinfer.serving.launch import _children
+
+    children = _children(_launch_args("--prefill", "2", "--decode", "1"), tmp_path)
+    engines = [c for c in children if c.name != "router"]
+    secrets = {c.env["PDINFER_KV_SECRET"] for c in engines}
+    assert len(secrets) == 1  # one per cluster: every PE can talk to every CE
+    (secret,) = secrets
+    assert len(secret) >= 32
+    assert all(secret not in " ".join(c.cmd) for c in children)  # not visible in ps
+    again = _children(_launch_args("--prefill", "1", "--decode", "1"), tmp_path)
+    assert again[0].env["PDINFER_KV_SECRET"] != secret  # random per cluster
+    # An operator's own secret travels the same way, never on a command line.
+    mine = _children(_launch_args("--prefill", "1", "--decode", "1", "--kv-secret", "s3cret-of-mine"), tmp_path)
+    assert {c.env["PDINFER_KV_SECRET"] for c in mine if c.name != "router"} == {"s3cret-of-mine"}
+    assert all("s3cret-of-mine" not in " ".join(c.cmd) for c in mine)

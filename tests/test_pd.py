@@ -3,6 +3,7 @@ one): outputs equal a NORMAL engine's, blocks come back on both sides after ever
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 
@@ -11,9 +12,9 @@ from conftest import make_llm
 
 from pdinfer import EngineArgs, SamplingParams, env
 from pdinfer.engine.completion_engine import CompletionEngine, NoRoomError
+from pdinfer.engine.pd_common import Reservation
 from pdinfer.engine.pd_pair import PDPair
 from pdinfer.engine.prefill_engine import PrefillEngine
-from pdinfer.kv_transfer.connector import HandshakeError
 from pdinfer.kv_transfer.mooncake import INSTALL_HINT, MooncakeConnector, mooncake_available
 from pdinfer.kv_transfer.protocol import KVPush, checksum
 from pdinfer.kv_transfer.tcp import TcpConnector
@@ -157,11 +158,14 @@ def test_first_token_comes_from_the_pe_and_ce_never_prefills(tcp_pair, prompt_id
 
 def test_ce_without_room_refuses_and_the_request_is_not_lost(connector, prompt_ids):
     pe = pe_engine(connector=connector)
-    small, big = ce_engine(num_kv_blocks=4, connector=connector), ce_engine(connector=connector)
-    prompt = {"prompt_token_ids": prompt_ids[6]}  # ~60 tokens + margin > 4 blocks of 16
+    small, big = ce_engine(num_kv_blocks=8, connector=connector), ce_engine(connector=connector)
+    prompt = {"prompt_token_ids": prompt_ids[6]}  # ~60 tokens + margin: 5 blocks of 16
+    small.reserve("filler", prompt, GREEDY)  # 3 of the 8 blocks left: full for now
     with pytest.raises(NoRoomError):
         small.reserve("r", prompt, GREEDY)
     assert "r" not in small.requests
+    small.abort_request("filler")
+    drain(small)
     all_free(small)
     reservation = big.reserve("r", prompt, GREEDY)  # the caller picks another CE
     pe.add_request("r", prompt, GREEDY, reservation=reservation)
@@ -185,15 +189,26 @@ def test_a_ce_reserves_no_more_than_the_request_can_use(connector):
     ce.shutdown()
 
 
+def _run_pe(pe, deadline_s=30) -> dict:
+    outs, end = {}, time.monotonic() + deadline_s
+    while pe.has_unfinished_requests():
+        assert time.monotonic() < end, "the PE did not settle"
+        for out in pe.step():
+            outs[out.request_id] = out
+        time.sleep(0.01)
+    return outs
+
+
 def test_handshake_mismatch_is_refused_at_connect(connector):
     ce = ce_engine(connector=connector, reservation_timeout_s=1.0)
     pe = PrefillEngine(
         EngineArgs(engine_type="prompt", kv_cache_memory=MEM, block_size=32, kv_transfer={"connector": connector})
     )
     reservation = ce.reserve("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
-    with pytest.raises(HandshakeError, match="block_size"):
-        pe.add_request("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY, reservation=reservation)
-    assert "r" not in pe.requests
+    pe.add_request("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY, reservation=reservation)
+    out = _run_pe(pe)["r"]  # the handshake runs beside the PE's steps; its refusal ends the request
+    assert out.finished and "block_size" in out.error
+    assert not pe.handoff_stats["count"]  # never prefilled, never pushed
     ce.abort_request("r")
     drain(ce)
     all_free(pe, ce)
@@ -205,13 +220,109 @@ def test_wrong_secret_is_refused_at_connect(connector):
     ce = ce_engine(secret="s3cret", connector=connector, reservation_timeout_s=1.0)
     pe = pe_engine(secret="guess", connector=connector)
     reservation = ce.reserve("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
-    with pytest.raises(HandshakeError, match="authentication"):
-        pe.add_request("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY, reservation=reservation)
+    pe.add_request("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY, reservation=reservation)
+    out = _run_pe(pe)["r"]
+    assert out.finished and "authentication" in out.error
     ce.abort_request("r")
     drain(ce)
     all_free(pe, ce)
     pe.shutdown()
     ce.shutdown()
+
+
+def _reservation(prompt_ids, **changes) -> Reservation:
+    values = dict(
+        transfer_id=uuid.uuid4().hex,
+        request_id="bad",
+        address="tcp://127.0.0.1:9",
+        instance_id=uuid.uuid4().hex,
+        block_ids=list(range(8)),
+        num_prompt_tokens=len(prompt_ids),
+        timeout_s=60.0,
+    )
+    values.update(changes)
+    return Reservation(**values)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"address": "not-an-endpoint"}, "address"),
+        ({"address": "tcp://"}, "address"),
+        ({"address": "tcp://127.0.0.1:99999"}, "address"),
+        ({"address": "tcp://127.0.0.1:"}, "address"),
+        ({"address": "tcp://*:5555"}, "address"),
+        ({"address": "ipc:///tmp/kv"}, "address"),
+        ({"address": "inproc://pdinfer-kv-wake"}, "address"),
+        ({"address": 42}, "address"),
+        ({"block_ids": [2**70] * 8}, "block_ids"),
+        ({"block_ids": ["0"] * 8}, "block_ids"),
+        ({"block_ids": [0]}, "block_ids"),  # fewer blocks than the prompt needs
+        ({"transfer_id": ""}, "transfer_id"),
+        ({"transfer_id": "x" * 10_000}, "transfer_id"),
+        ({"timeout_s": float("nan")}, "timeout_s"),
+        ({"timeout_s": -1.0}, "timeout_s"),
+    ],
+    ids=lambda value: str(value)[:40] if isinstance(value, dict) else "",
+)
+def test_a_bad_reservation_is_refused_for_that_request_only(tcp_pair, prompt_ids, changes, message):
+    """A reservation comes over HTTP (/pd/prefill): the PE checks it as if from a stranger. An
+    address that is no TCP endpoint once killed the PE's socket thread, then its engine loop."""
+    pe = tcp_pair.pe
+    prompt = {"prompt_token_ids": prompt_ids[6]}  # 61 tokens: 4 blocks
+    with pytest.raises(ValueError, match=message):
+        pe.add_request("bad", prompt, GREEDY, reservation=_reservation(prompt_ids[6], **changes))
+    assert "bad" not in pe.requests
+    out = tcp_pair.generate([prompt], GREEDY)[0]  # the PE still hands over
+    assert out.error is None and len(out.outputs[0].token_ids) == 24
+    all_free(tcp_pair.pe, tcp_pair.ce)
+
+
+@pytest.fixture
+def silent_peer():
+    """A TCP port that accepts connections and never says a word."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_a_silent_kv_peer_does_not_stall_other_requests(connector, prompt_ids, normal, silent_peer):
+    pe = pe_engine(connector=connector, handshake_timeout_s=600.0)
+    ce = ce_engine(connector=connector)
+    pair = PDPair(pe, ce)
+    prompt = {"prompt_token_ids": prompt_ids[1]}
+    # add_request returns at once: the handshake with the silent peer goes on beside the steps
+    pe.add_request(
+        "stuck", prompt, GREEDY, reservation=_reservation(prompt_ids[1], request_id="stuck", address=silent_peer)
+    )
+    pair.add_request("live", prompt, GREEDY)
+    outs, end = {}, time.monotonic() + 120
+    while "live" not in outs or not outs["live"].finished:
+        assert time.monotonic() < end, "the live request waited on the silent peer"
+        for out in pair.step():
+            outs[out.request_id] = out
+    expected = normal.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert outs["live"].outputs[0].token_ids == expected.outputs[0].token_ids
+    assert "stuck" in pe.requests and not pe.requests["stuck"].seqs[0].is_finished
+    pe.abort_request("stuck")
+    _run_pe(pe)
+    drain(ce)
+    all_free(pe, ce)
+    pe.shutdown()
+    ce.shutdown()
+
+
+def test_a_silent_kv_peer_ends_the_request_at_the_handshake_timeout(connector, prompt_ids, silent_peer):
+    pe = pe_engine(connector=connector, handshake_timeout_s=1.0)
+    prompt = {"prompt_token_ids": prompt_ids[1]}
+    pe.add_request(
+        "stuck", prompt, GREEDY, reservation=_reservation(prompt_ids[1], request_id="stuck", address=silent_peer)
+    )
+    out = _run_pe(pe)["stuck"]
+    assert out.finished and "no handshake answer" in out.error
+    all_free(pe)
+    pe.shutdown()
 
 
 def _raw_push(ce, reservation, corrupt: str, connector: str):
@@ -248,18 +359,22 @@ def test_corrupted_payload_is_refused_never_decoded(connector, corrupt):
     ce = ce_engine(connector=connector)
     reservation = ce.reserve("r", {"prompt_token_ids": list(range(1, 40))}, GREEDY)
     sender = _raw_push(ce, reservation, corrupt, connector)
-    end, outs = time.monotonic() + 20, {}
+    end, outs, acks = time.monotonic() + 20, {}, []
+    while not acks and time.monotonic() < end:
+        for out in ce.step():
+            outs[out.request_id] = out
+        acks = sender.events()
+        time.sleep(0.01)
+    assert acks and not acks[0].ok and ("checksum" in acks[0].error or "bytes" in acks[0].error)
+    if corrupt == "truncate":  # refused by the KV port on arrival: the reservation waits on
+        assert reservation.transfer_id in ce.reservations
+        ce.abort_request("r")
+    end = time.monotonic() + 20
     while ce.has_unfinished_requests() and time.monotonic() < end:
         for out in ce.step():
             outs[out.request_id] = out
-    assert outs["r"].finished and "refused" in outs["r"].error
+    assert outs["r"].finished and outs["r"].error
     assert outs["r"].outputs[0].token_ids == []  # nothing was decoded
-    deadline = time.monotonic() + 10
-    acks = []
-    while not acks and time.monotonic() < deadline:
-        acks = sender.events()
-        time.sleep(0.05)
-    assert acks and not acks[0].ok and ("checksum" in acks[0].error or "payload" in acks[0].error)
     all_free(ce)
     sender.close()
     ce.shutdown()
@@ -274,8 +389,10 @@ def test_aborts_before_during_and_after_the_transfer_free_both_sides(connector, 
     pair.abort_request("before")
     # during: prefilled and pushed, not yet accepted by the CE
     pair.add_request("during", prompt, GREEDY)
-    pe.step()
-    assert "during" in {s.request_id for s in pe.handoffs.values()}
+    end = time.monotonic() + 30
+    while "during" not in {s.request_id for s in pe.handoffs.values()}:  # after its handshake
+        assert time.monotonic() < end, "'during' was never pushed"
+        pe.step()
     pair.abort_request("during")
     # after: the CE is decoding it
     pair.add_request("after", prompt, GREEDY)
@@ -295,6 +412,7 @@ def test_dead_ce_makes_the_pe_free_its_blocks_within_the_lease(connector, prompt
     pe = pe_engine(lease_s=1.5, connector=connector)
     ce = ce_engine(reservation_timeout_s=4.0, connector=connector)  # longer than the prefill
     reservation = ce.reserve("r", {"prompt_token_ids": prompt_ids[3]}, GREEDY)
+    pe.connector.connect(reservation.address)  # they shook hands (an earlier request)
     pe.add_request("r", {"prompt_token_ids": prompt_ids[3]}, GREEDY, reservation=reservation)
     ce.connector.close()  # the CE stops answering before the K/V arrives
     start, outs = time.monotonic(), {}

@@ -39,21 +39,22 @@ def _written(ce, blocks) -> bool:  # a fresh CE's cache is all zeros
 def test_blocks_aborted_on_the_ce_stay_taken_until_the_pe_write_is_over(prompt_ids):
     prompt = {"prompt_token_ids": prompt_ids[3]}
     room = -(-(len(prompt_ids[3]) + DEFAULT_DECODE_MARGIN_TOKENS) // 16)  # one reservation, no more
+    params = GREEDY.clone(max_tokens=DEFAULT_DECODE_MARGIN_TOKENS + 1)  # fits the room exactly
     pe = pe_engine(connector="mooncake")
     ce = ce_engine(num_kv_blocks=room, connector="mooncake", reservation_timeout_s=30)
-    PDPair(pe, ce).add_request("r", prompt, GREEDY)
+    PDPair(pe, ce).add_request("r", prompt, params)
     reserved = list(next(iter(ce.reservations.values())).block_table)
     ce.abort_request("r")  # the client left the CE; the PE has not heard and will write
     ce.step()
     assert ce.get_num_free_blocks() == 0
     with pytest.raises(NoRoomError):  # blocks the PE may write into go to no other request
-        ce.reserve("other", prompt, GREEDY)
+        ce.reserve("other", prompt, params)
     pe_outs, _ = _step_until([pe, ce], lambda: not pe.has_unfinished_requests())
     assert "aborted on the completion engine" in pe_outs["r"].error  # its push was refused
     assert _written(ce, reserved)  # the PE did write after the abort, into quarantined blocks
     assert "r" not in ce.quarantined  # released once the push said the write was over
     all_free(pe, ce)
-    other = ce.reserve("other", prompt, GREEDY)
+    other = ce.reserve("other", prompt, params)
     ce.abort_request("other")
     ce.step()
     assert ce.get_num_free_blocks() == 0

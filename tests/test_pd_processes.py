@@ -128,6 +128,39 @@ def test_client_abort_during_decode_frees_the_ce(cluster, prompt_ids):
         assert kv["free_blocks"] == kv["total_blocks"]
 
 
+def test_what_a_stranger_sends_the_engines_is_a_400_and_they_keep_serving(cluster, prompt_ids):
+    """The router never sends these, a stranger may: each once killed an engine loop (or the
+    PE's KV socket thread). Now each is a 400 for that request alone."""
+    pe, ce = cluster["pe"], cluster["ce"]
+    ids = prompt_ids[0]
+    reservation = {
+        "transfer_id": "t" * 32,
+        "request_id": "stranger",
+        "address": "not-an-endpoint",
+        "instance_id": "i" * 32,
+        "block_ids": list(range(8)),
+        "num_prompt_tokens": len(ids),
+    }
+    cases = [
+        (ce, "/pd/decode", {"sampling": {"logprobs": 100_000}}),
+        (ce, "/pd/decode", {"sampling": {"temperature": float("nan")}}),
+        (pe, "/pd/prefill", {"sampling": {"logprobs": 100_000}, "reservation": reservation}),
+        (pe, "/pd/prefill", {"reservation": reservation}),
+        (pe, "/pd/prefill", {"reservation": {**reservation, "address": "tcp://127.0.0.1:1", "block_ids": [2**70]}}),
+    ]
+    for server, path, extra in cases:
+        body = {"request_id": "stranger", "prompt_token_ids": ids, **extra}
+        answer = httpx.post(  # by hand: httpx's json= refuses NaN, a stranger's client may not
+            f"{server.url}{path}", content=json.dumps(body), headers={"content-type": "application/json"}, timeout=60
+        )
+        assert answer.status_code == 400, (path, extra, answer.text)
+        assert answer.json()["error"]["type"] == "invalid_request_error"
+    result = pd_generate(pe.url, ce.url, "after-strangers", ids, GREEDY)
+    assert result["prefill_status"] == 200 and len(result["tokens"]) == 16
+    for server in (pe, ce):
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
 def test_killed_ce_during_transfer_pe_recovers_within_lease(tmp_path, prompt_ids):
     ce = Server(["serve", "--role", "completion", *ENGINE], tmp_path / "ce.log").start()
     pe = Server(["serve", "--role", "prompt", *ENGINE, "--kv-lease-s", "3"], tmp_path / "pe.log").start()

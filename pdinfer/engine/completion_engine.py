@@ -10,6 +10,7 @@ count, block list, size, checksum). It is never re-prefilled here: a CE has no p
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 import warnings
@@ -40,8 +41,14 @@ class CompletionEngine(LLMEngine):
         super().__init__(engine_args, dp_group)
 
     def init_pd_split(self) -> None:
+        block_size = self.cache_config.block_size
+        max_push_blocks = min(self.num_blocks, -(-self.scheduler_config.max_model_len // block_size))
         self.connector = self.pd_config.make_connector(
-            listen=True, engine_type=self.engine_type.value, device=self.device
+            listen=True,
+            engine_type=self.engine_type.value,
+            device=self.device,
+            max_push_blocks=max_push_blocks,  # what its KV port reads is bounded by the largest push
+            bytes_per_block=self.model_runner.require_cache().bytes_per_block,
         )
         self.connector.register_kv_cache(self.model_runner.require_cache().kv)  # before the handshake can answer
         self.connector.register(kv_layout(self))
@@ -78,6 +85,9 @@ class CompletionEngine(LLMEngine):
         transfer_id = uuid.uuid4().hex
         seq.handoff = {"transfer_id": transfer_id, "deadline": time.monotonic() + self.pd_config.reservation_timeout_s}
         self.reservations[transfer_id] = seq
+        # From now on the KV port lets this transfer's push (of exactly its prompt's blocks) through.
+        nbytes = bm.blocks_for(seq.num_prompt_tokens) * self.model_runner.require_cache().bytes_per_block
+        self.connector.gate.expect(transfer_id, request_id, nbytes)
         return Reservation(
             transfer_id=transfer_id,
             request_id=request_id,
@@ -113,6 +123,7 @@ class CompletionEngine(LLMEngine):
                 # A PE sends its abort after any write of that transfer: the blocks are free to go.
                 self._drop_reservation(event.transfer_id, "aborted by the prefill engine")
             elif isinstance(event, KVAbort) and event.request_id in self.requests:
+                # its transfer was taken over; the port checked the abort comes from its owner
                 super().abort_request(event.request_id)
         for arrival in self.connector.receive():
             self._accept(arrival)
@@ -142,6 +153,7 @@ class CompletionEngine(LLMEngine):
             return
         assert seq is not None  # _verify refuses a transfer without a reservation
         del self.reservations[push.transfer_id]
+        self.connector.gate.finish(push.transfer_id)
         if self.connector.writes_in_place or self._device_payload:  # in our blocks already, checked
             self.connector.confirm(arrival, ok=True)
         else:
@@ -199,8 +211,19 @@ class CompletionEngine(LLMEngine):
         elif checksum_blocks(received) != push.checksum:
             return "checksum mismatch: the K/V was corrupted in transit"
         tokens = push.first_tokens or [push.first_token]
-        if len(tokens) != seq.sampling_params.n or any(not 0 <= t < self.spec.vocab_size for t in tokens):
+        vocab = self.spec.vocab_size
+        if len(tokens) != seq.sampling_params.n or any(not 0 <= t < vocab for t in tokens):
             return "invalid first tokens"
+        if not 0 <= push.seed < 2**63:
+            return "invalid seed"
+        logprobs = push.first_logprobs
+        wanted = seq.sampling_params.logprobs
+        if logprobs is not None and (
+            wanted is None
+            or len(logprobs) > wanted + 1
+            or any(not 0 <= t < vocab or math.isnan(lp) for t, lp in logprobs.items())
+        ):
+            return "invalid first-token logprobs"
         return None
 
     def _drop_reservation(self, transfer_id: str, error: str, quarantine: bool = False) -> None:
@@ -209,9 +232,10 @@ class CompletionEngine(LLMEngine):
             return
         if quarantine:  # a block being written is never freed: wait for the PE's push or abort
             deadline = time.monotonic() + self.pd_config.reservation_timeout_s
-            self.quarantined[transfer_id] = (seq.block_table, deadline)
+            self.quarantined[transfer_id] = (seq.block_table, deadline)  # (the gate still lets them in)
             seq.block_table = []
         else:
+            self.connector.gate.forget(transfer_id)
             self.block_manager.free(seq)
         seq.finish(SequenceStatus.FINISHED_ABORTED, error=error)
         state = self.requests.get(seq.request_id)
@@ -221,6 +245,7 @@ class CompletionEngine(LLMEngine):
             self._ready_outputs.append(self._report(state))
 
     def _release_quarantine(self, transfer_id: str) -> None:
+        self.connector.gate.forget(transfer_id)
         blocks, _ = self.quarantined.pop(transfer_id, (None, 0.0))
         if blocks is not None:
             self.block_manager.free_blocks(blocks)

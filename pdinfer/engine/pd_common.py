@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from pdinfer.kv_transfer.connector import KVConnector
+from pdinfer import env
+from pdinfer.kv_transfer.connector import DEFAULT_HANDSHAKE_TIMEOUT_S, KVConnector
 from pdinfer.kv_transfer.protocol import KVLayout
 
 DEFAULT_LEASE_S = 30.0  # PE: free a handed-over request's blocks if the CE has not confirmed
@@ -28,9 +30,10 @@ class KVTransferConfig:
     host: str = "127.0.0.1"  # CE: where to listen
     port: int = 0  # CE: 0 picks a free port
     name: str | None = None  # local connector: the address name
-    secret: str | None = None  # shared secret: pushes not signed with it are refused
+    secret: str | None = None  # shared secret: messages not signed with it are refused (default: $PDINFER_KV_SECRET)
     lease_s: float = DEFAULT_LEASE_S
     reservation_timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S  # PE: fail requests to a CE that never answers
     decode_margin_tokens: int = DEFAULT_DECODE_MARGIN_TOKENS
     staging_mib: int = 1024  # cuda_ipc, nccl: the PE's device staging pool (grows when full)
 
@@ -40,19 +43,28 @@ class KVTransferConfig:
         if unknown:
             raise ValueError(f"unknown kv_transfer settings: {sorted(unknown)}")
         config = cls(**values)
+        if config.secret is None and env.rearm("PDINFER_KV_SECRET"):  # what `pdinfer launch` hands its engines
+            config = dataclasses.replace(config, secret=env.get("PDINFER_KV_SECRET"))
         if config.connector not in CONNECTORS:
             raise ValueError(f"kv_transfer connector must be one of {', '.join(CONNECTORS)}, got {config.connector!r}")
         if config.connector == "mooncake":
             from pdinfer.kv_transfer.mooncake import load_transfer_engine
 
             load_transfer_engine()  # fail before the model loads, naming what to install
-        if config.lease_s <= 0 or config.reservation_timeout_s <= 0:
-            raise ValueError("kv_transfer lease_s and reservation_timeout_s must be positive")
+        for name in ("lease_s", "reservation_timeout_s", "handshake_timeout_s"):
+            value = getattr(config, name)
+            if not isinstance(value, int | float) or not (0 < value < math.inf):
+                raise ValueError(f"kv_transfer {name} must be a positive number of seconds, got {value!r}")
         if config.staging_mib <= 0:
             raise ValueError("kv_transfer staging_mib must be positive")
         return config
 
-    def make_connector(self, listen: bool, engine_type: int, device=None) -> KVConnector:
+    def make_connector(
+        self, listen: bool, engine_type: int, device=None, max_push_blocks: int = 0, bytes_per_block: int = 0
+    ) -> KVConnector:
+        """``max_push_blocks`` x ``bytes_per_block``: the largest push a CE takes (it bounds
+        what its KV port reads)."""
+        limits = {"max_push_blocks": max_push_blocks, "bytes_per_block": bytes_per_block}
         if self.connector == "local":
             from pdinfer.kv_transfer.local import LocalConnector
 
@@ -61,7 +73,12 @@ class KVTransferConfig:
             from pdinfer.kv_transfer.mooncake import MooncakeConnector
 
             return MooncakeConnector(
-                self.host if listen else None, self.port, secret=self.secret, engine_type=engine_type, host=self.host
+                self.host if listen else None,
+                self.port,
+                secret=self.secret,
+                engine_type=engine_type,
+                host=self.host,
+                **limits,
             )
         if self.connector in ("cuda_ipc", "nccl"):  # device transports: they stage on ``device``
             if self.connector == "cuda_ipc":
@@ -75,10 +92,13 @@ class KVTransferConfig:
                 engine_type=engine_type,
                 device=device,
                 staging_bytes=self.staging_mib << 20,
+                **limits,
             )
         from pdinfer.kv_transfer.tcp import TcpConnector
 
-        return TcpConnector(self.host if listen else None, self.port, secret=self.secret, engine_type=engine_type)
+        return TcpConnector(
+            self.host if listen else None, self.port, secret=self.secret, engine_type=engine_type, **limits
+        )
 
 
 class Reservation(msgspec.Struct):
@@ -91,6 +111,24 @@ class Reservation(msgspec.Struct):
     block_ids: list[int]
     num_prompt_tokens: int
     timeout_s: float | None = None  # the CE drops the reservation if no K/V came in this long
+
+    def check(self, num_blocks_needed: int) -> None:
+        """A reservation reaches a PE over HTTP: check it as if from a stranger (ValueError).
+        Whether the CE behind ``address`` made it, its handshake and checks tell."""
+        for name in ("transfer_id", "request_id", "instance_id"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not 0 < len(value) <= 256:
+                raise ValueError(f"reservation {name} must be a string of 1-256 characters")
+        if not isinstance(self.address, str):
+            raise ValueError(f"reservation address must be a string, got {str(self.address)[:80]!r}")
+        blocks = self.block_ids
+        if not isinstance(blocks, list) or not num_blocks_needed <= len(blocks) <= 1 << 20:
+            raise ValueError(f"reservation block_ids must list at least the prompt's {num_blocks_needed} blocks")
+        if not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**31 for b in blocks):
+            raise ValueError("reservation block_ids must be block numbers (integers in [0, 2**31))")
+        timeout = self.timeout_s
+        if timeout is not None and (not isinstance(timeout, int | float) or not 0 < timeout < math.inf):
+            raise ValueError(f"reservation timeout_s must be a positive number of seconds, got {timeout!r}")
 
 
 def kv_layout(engine) -> KVLayout:

@@ -1,10 +1,15 @@
 """``PrefillEngine``: a PROMPT engine that hands each prefilled request, its K/V and its first
 token to a completion engine (CE).
 
+A request whose CE this PE has not shaken hands with yet waits beside the scheduler until the
+handshake ends (``add_request`` never blocks: a silent CE costs its own requests their
+handshake timeout, and nobody else anything).
+
 Hook by hook (the seed's step order):
 - ``init_pd_split``: start the connector once the KV cache exists;
 - ``post_schedule``: note which sequences finish their prompt this step; collect CE acks and
-  expired leases; release aborted sequences that are not in transfer;
+  expired leases; release aborted sequences that are not in transfer; enqueue requests whose
+  CE answered the handshake (fail those it refused);
 - ``pe_prepare_save_kvcache``: queue the K/V copy of those sequences behind the forward (it
   overlaps the sampling sync);
 - ``pe_do_save_kvcache``: the first token is known now: push K/V + token to the CE;
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -50,6 +56,8 @@ class PrefillEngine(LLMEngine):
         self._completing: list[Sequence] = []  # this step's finished prefills
         self._pushed: list[Sequence] = []  # pushed by the last pe_do_save_kvcache
         self.handoff_stats = {"count": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
+        self._handshakes: dict[str, Future] = {}  # CE address -> its handshake under way
+        self._awaiting_peer: list[tuple[Sequence, bool]] = []  # (sequence, enqueue) until then
 
     def post_schedule(self, outputs: SchedulerOutputs) -> None:
         for seq in outputs.finished_seqs:  # aborted before they were handed over
@@ -58,6 +66,7 @@ class PrefillEngine(LLMEngine):
                 self._tell_ce_nothing_comes(seq)
         self._completing = [seq for seq, done in zip(outputs.scheduled_seqs, outputs.do_sample) if done]
         self._collect_acks()
+        self._collect_handshakes()
 
     def pe_prepare_save_kvcache(self, scheduled, finished) -> None:
         bm = self.block_manager
@@ -118,35 +127,70 @@ class PrefillEngine(LLMEngine):
         enqueue: bool = True,
         reservation: Reservation | None = None,
     ) -> Sequence:
-        """Prefill ``prompt`` and hand it to the CE that made ``reservation``."""
+        """Prefill ``prompt`` and hand it to the CE that made ``reservation`` (ValueError for a
+        reservation that cannot be one, checked as if from a stranger)."""
         if reservation is None:
             raise ValueError("a prefill engine needs a reservation from a completion engine")
         if reservation.request_id != request_id:
             raise ValueError("the reservation belongs to another request")
-        self._ensure_connected(reservation)
+        reservation.check(num_blocks_needed=0)
+        self.connector.check_address(reservation.address)
         seq = super().add_request(request_id, prompt, sampling_params, arrival_time, enqueue=False)
+        error = None
         if seq.num_prompt_tokens != reservation.num_prompt_tokens:
-            self.requests.pop(request_id, None)
-            raise ValueError(
+            error = (
                 f"the reservation is for {reservation.num_prompt_tokens} prompt tokens, "
                 f"the prompt has {seq.num_prompt_tokens}"
             )
+        elif len(reservation.block_ids) < self.block_manager.blocks_for(seq.num_prompt_tokens):
+            error = "the reservation's block_ids hold fewer blocks than the prompt needs"
+        if error is not None:
+            self.requests.pop(request_id, None)
+            raise ValueError(error)
         seq.handoff = Handoff(reservation=reservation)
         if reservation.timeout_s is not None:
             seq.handoff.expires_at = time.monotonic() + reservation.timeout_s
-        if enqueue:
-            self.scheduler.add_sequence(seq)
+        if self.connector.peer_instance(reservation.address) == reservation.instance_id:
+            if enqueue:
+                self.scheduler.add_sequence(seq)
+        else:
+            self._await_handshake(seq, enqueue)
         return seq
 
-    def _ensure_connected(self, reservation: Reservation) -> None:
-        known = getattr(self.connector, "peer_instance", lambda _a: None)(reservation.address)
-        if known != reservation.instance_id:
-            instance = self.connector.connect(reservation.address)  # raises HandshakeError
-            if instance != reservation.instance_id:
-                raise HandshakeError(f"the CE at {reservation.address} restarted since it made the reservation")
+    # --- handshakes --------------------------------------------------------------------------------
+    def _await_handshake(self, seq: Sequence, enqueue: bool) -> None:
+        address = seq.handoff.reservation.address
+        if address not in self._handshakes:
+            self._handshakes[address] = self.connector.start_connect(address, self.pd_config.handshake_timeout_s)
+        self._awaiting_peer.append((seq, enqueue))
+        self._collect_handshakes()  # an in-process connector answers at once
+
+    def _collect_handshakes(self) -> None:
+        for address, future in list(self._handshakes.items()):
+            if not future.done():
+                continue
+            del self._handshakes[address]
+            try:
+                instance, error = self.connector.finish_connect(address, future), None
+            except HandshakeError as exc:
+                instance, error = None, str(exc)
+            waiting, self._awaiting_peer = self._awaiting_peer, []
+            for seq, enqueue in waiting:
+                reservation = seq.handoff.reservation
+                if seq.is_finished:
+                    continue  # aborted meanwhile
+                if reservation.address != address:
+                    self._awaiting_peer.append((seq, enqueue))
+                elif error is not None:
+                    self._fail(seq, error)
+                elif instance != reservation.instance_id:
+                    self._fail(seq, f"the CE at {address} restarted since it made the reservation")
+                elif enqueue:
+                    self.scheduler.add_sequence(seq)
 
     def abort_request(self, request_id: str) -> None:
         state = self.requests.get(request_id)
+        self._awaiting_peer = [(s, e) for s, e in self._awaiting_peer if s.request_id != request_id]
         if state is not None:
             for seq in state.seqs:
                 if seq.handoff is not None and seq.handoff.sent and not seq.is_finished:
@@ -154,7 +198,7 @@ class PrefillEngine(LLMEngine):
         super().abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return super().has_unfinished_requests() or bool(self.handoffs)
+        return super().has_unfinished_requests() or bool(self.handoffs) or bool(self._awaiting_peer)
 
     # --- the hand-off ------------------------------------------------------------------------------
     def _push(self, seq: Sequence, now: float) -> None:

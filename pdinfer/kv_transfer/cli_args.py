@@ -25,7 +25,10 @@ def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--kv-port", type=int, default=0, help="completion engine: K/V port (0: any free)")
     g.add_argument(
-        "--kv-secret", default=None, help="shared secret: K/V pushes not signed with it are refused (set on PE and CE)"
+        "--kv-secret",
+        default=None,
+        help="shared secret of the P/D cluster: KV messages not signed with it are refused (set the same on "
+        "every PE and CE; default: $PDINFER_KV_SECRET, which `pdinfer launch` sets to a random one per cluster)",
     )
     g.add_argument(
         "--kv-lease-s",

@@ -5,7 +5,12 @@ Engines never touch sockets; they call these verbs from their hooks, on their ow
 
     register(layout)            both: what our KV looks like (used for the handshake)
     register_kv_cache(kv)       CE: the KV tensor an in-place transport writes into (else no-op)
-    connect(address)            PE: handshake with a CE; raises HandshakeError on mismatch
+    check_address(address)      PE: ValueError unless ``address`` is one this transport can reach
+    start_connect(address)      PE: begin a handshake with a CE; a Future, never blocks
+    finish_connect(address, f)  PE: its result: the CE's instance id, or HandshakeError
+    connect(address)            PE: both in one (blocks until the CE answers or the timeout)
+    gate                        CE: the transfers it waits for (``TransferGate``); the transport
+                                refuses every other push and abort as it arrives
     send(address, push, data)   PE: queue a push (non-blocking)
     receive() -> [Arrival]      CE: pushes that arrived (already handshaken and authenticated)
     confirm(arrival, ok, err)   CE: tell the PE the K/V landed (ok) or why it was refused
@@ -17,9 +22,13 @@ Engines never touch sockets; they call these verbs from their hooks, on their ow
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from dataclasses import dataclass
 
+from pdinfer.kv_transfer.gate import TransferGate
 from pdinfer.kv_transfer.protocol import KVAbort, KVAck, KVLayout, KVPush
+
+DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class HandshakeError(RuntimeError):
@@ -31,11 +40,13 @@ class Arrival:
     push: KVPush
     payload: memoryview | bytes
     peer: object  # transport-specific handle to answer the sender
+    drain_only: bool = False  # refused already; the transport only takes its bytes off the link
 
 
 class KVConnector(ABC):
     layout: KVLayout | None = None
     instance_id: str = ""
+    gate: TransferGate
     # True: the K/V of an arrival is already in the CE's blocks (the payload is empty), and a
     # reserved block may be written by the PE at any time until its push or abort arrives.
     writes_in_place: bool = False
@@ -51,8 +62,31 @@ class KVConnector(ABC):
         """Where PEs reach this connector (CE side)."""
         raise NotImplementedError
 
+    def check_address(self, address: object) -> None:  # noqa: B027 - a transport with a syntax overrides it
+        if not isinstance(address, str) or not address or len(address) > 256:
+            raise ValueError(f"the KV address must be a short string, got {str(address)[:80]!r}")
+
+    def start_connect(self, address: str, timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S) -> Future:
+        """Begin a handshake with the CE at ``address`` (ValueError for an address that is not
+        one); ``finish_connect`` turns the Future into the CE's instance id."""
+        self.check_address(address)
+        future: Future = Future()
+        try:
+            future.set_result(self.connect(address, timeout_s))
+        except HandshakeError as exc:
+            future.set_exception(exc)
+        return future
+
+    def finish_connect(self, address: str, future: Future) -> str:
+        """The CE's instance id once ``future`` is done; HandshakeError if it refused or never answered."""
+        return future.result()
+
+    def peer_instance(self, address: str) -> str | None:
+        """The instance id of the CE we last shook hands with at ``address``."""
+        return None
+
     @abstractmethod
-    def connect(self, address: str, timeout_s: float = 10.0) -> str:
+    def connect(self, address: str, timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S) -> str:
         """Handshake with the CE at ``address``; returns its instance id."""
 
     @abstractmethod

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 
 import msgspec
 import torch
 
-from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVAbort, KVAck, KVPush, encode
+from pdinfer.kv_transfer.connector import DEFAULT_HANDSHAKE_TIMEOUT_S
+from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVAbort, KVAck, KVPush
 from pdinfer.kv_transfer.staging import (
     DEFAULT_STAGING_BYTES,
     Segment,
@@ -54,6 +56,8 @@ class CudaIpcConnector(TcpConnector):
         engine_type: int = 0,
         device=None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        max_push_blocks: int = 0,
+        bytes_per_block: int = 0,
     ):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.staging_bytes = staging_bytes
@@ -63,12 +67,19 @@ class CudaIpcConnector(TcpConnector):
         self._regions_lock = threading.Lock()
         self._opened: dict[str, tuple[torch.Tensor, object]] = {}  # CE: segment key -> mapping
         self._streams: dict[torch.device, object] = {}
-        super().__init__(listen_host, listen_port, secret=secret, engine_type=engine_type)
+        super().__init__(
+            listen_host,
+            listen_port,
+            secret=secret,
+            engine_type=engine_type,
+            max_push_blocks=max_push_blocks,
+            bytes_per_block=bytes_per_block,
+        )
 
     # --- PE ------------------------------------------------------------------------------------------
-    def connect(self, address: str, timeout_s: float = 10.0) -> str:
+    def start_connect(self, address: str, timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S) -> Future:
         self._first_segment()  # allocated here, not on the socket thread
-        return super().connect(address, timeout_s)
+        return super().start_connect(address, timeout_s)
 
     def _hello(self) -> Hello:
         hello = super()._hello()
@@ -112,7 +123,7 @@ class CudaIpcConnector(TcpConnector):
         push.staging_offset, push.staging_info = payload.offset, payload.segment.info
         with self._regions_lock:
             self._regions[push.transfer_id] = payload
-        self._command(("send", address, [encode(push, self.secret)]))
+        self._command(("send", address, [self._seal(address, push)]))
 
     def abort(self, address: str, message: KVAbort) -> None:
         super().abort(address, message)
@@ -145,8 +156,7 @@ class CudaIpcConnector(TcpConnector):
             return ack
         error = self._check_segment(hello.data_info)
         if error is not None:
-            self._handshaken.discard(identity)
-            return HelloAck(ok=False, instance_id=self.instance_id, error=error)
+            return self._refuse_hello(identity, hello, error)
         return ack
 
     def _check_segment(self, data: bytes) -> str | None:

@@ -1,7 +1,8 @@
 """An in-process KV connector (tests, and a PE and CE sharing one process).
 
 Same verbs and the same checks as the TCP connector (handshake, layout comparison, shared
-secret), with queues instead of sockets. Addresses look like ``local://<name>``.
+secret, the CE's transfer gate), with queues instead of sockets. Addresses look like
+``local://<name>``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import threading
 import uuid
 from typing import cast
 
-from pdinfer.kv_transfer.connector import Arrival, HandshakeError, KVConnector
+from pdinfer.kv_transfer.connector import DEFAULT_HANDSHAKE_TIMEOUT_S, Arrival, HandshakeError, KVConnector
+from pdinfer.kv_transfer.gate import TransferGate
 from pdinfer.kv_transfer.protocol import KVAbort, KVAck, KVPush, decode, encode
 
 _registry: dict[str, LocalConnector] = {}
@@ -22,6 +24,7 @@ class LocalConnector(KVConnector):
     def __init__(self, name: str | None = None, secret: str | None = None, listen: bool = True):
         self.secret = secret.encode() if secret else None
         self.instance_id = uuid.uuid4().hex
+        self.gate = TransferGate()
         self._inbox: queue.Queue[Arrival] = queue.Queue()
         self._events: queue.Queue = queue.Queue()
         self._address = f"local://{name or self.instance_id}" if listen else ""
@@ -35,7 +38,15 @@ class LocalConnector(KVConnector):
     def address(self) -> str:
         return self._address
 
-    def connect(self, address: str, timeout_s: float = 10.0) -> str:
+    def check_address(self, address: object) -> None:
+        if not isinstance(address, str) or not address.startswith("local://") or len(address) > 256:
+            raise ValueError(f"the KV address {str(address)[:80]!r} is not a local:// address")
+
+    def peer_instance(self, address: str) -> str | None:
+        peer = self._peers.get(address)
+        return peer.instance_id if peer is not None else None
+
+    def connect(self, address: str, timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S) -> str:
         with _lock:
             peer = _registry.get(address)
         if peer is None:
@@ -59,12 +70,19 @@ class LocalConnector(KVConnector):
         # encode/decode on the way, like the wire: the CE gets its own copy of everything
         message = decode(encode(push, self.secret), peer.secret)
         assert isinstance(message, KVPush)  # it was one before the round trip
-        peer._inbox.put(Arrival(push=message, payload=bytes(payload), peer=self))
+        data = bytes(payload)
+        error = peer.gate.admit_push(message.transfer_id, self.instance_id, len(data))
+        if error is not None:
+            self._events.put(KVAck(transfer_id=push.transfer_id, ok=False, error=error))
+            return
+        peer._inbox.put(Arrival(push=message, payload=data, peer=self))
 
     def abort(self, address: str, message: KVAbort) -> None:
         peer = self._peers.get(address)
         if peer is not None:
-            peer._events.put(message)
+            error, request_id = peer.gate.admit_abort(message.transfer_id, self.instance_id)
+            if error is None:
+                peer._events.put(KVAbort(transfer_id=message.transfer_id, request_id=request_id))
 
     def receive(self) -> list[Arrival]:
         return _drain(self._inbox)

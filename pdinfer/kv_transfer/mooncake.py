@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdinfer.kv_transfer.connector import HandshakeError
-from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVAbort, KVAck, KVPush, block_runs, encode
+from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVAbort, KVAck, KVPush, block_runs
 from pdinfer.kv_transfer.tcp import TcpConnector
 
 logger = logging.getLogger("pdinfer")
@@ -79,6 +79,8 @@ class MooncakeConnector(TcpConnector):
         secret: str | None = None,
         engine_type: int = 0,
         host: str = "127.0.0.1",
+        max_push_blocks: int = 0,
+        bytes_per_block: int = 0,
     ):
         transfer_engine = load_transfer_engine()
         # Mooncake's own settings: its TCP lanes on our host (else it may advertise another
@@ -94,7 +96,14 @@ class MooncakeConnector(TcpConnector):
         self._peer_kv: dict[str, PeerKV] = {}
         self._staging: np.ndarray | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pdinfer-kv-mooncake")
-        super().__init__(listen_host, listen_port, secret=secret, engine_type=engine_type)
+        super().__init__(
+            listen_host,
+            listen_port,
+            secret=secret,
+            engine_type=engine_type,
+            max_push_blocks=max_push_blocks,
+            bytes_per_block=bytes_per_block,
+        )
 
     # --- CE: our KV cache is the target -------------------------------------------------------------
     def register_kv_cache(self, kv) -> None:
@@ -112,8 +121,7 @@ class MooncakeConnector(TcpConnector):
         if not ack.ok:
             return ack
         if self._kv is None:
-            self._handshaken.discard(identity)
-            return HelloAck(ok=False, instance_id=self.instance_id, error="KV cache not registered yet")
+            return self._refuse_hello(identity, hello, "KV cache not registered yet")
         ack.data_session = self.session_id
         ack.kv_address, ack.kv_block_bytes, ack.kv_num_blocks = self._kv
         return ack
@@ -141,7 +149,7 @@ class MooncakeConnector(TcpConnector):
             super().abort(address, KVAbort(transfer_id=push.transfer_id, request_id=push.request_id))
             self._events.put(KVAck(transfer_id=push.transfer_id, ok=False, error=str(exc)))
             return
-        self._command(("send", address, [encode(push, self.secret)]))
+        self._command(("send", address, [self._seal(address, push)]))
 
     def _write(self, address: str, push: KVPush, data: np.ndarray) -> None:
         peer = self._peer_kv.get(address)

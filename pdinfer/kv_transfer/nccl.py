@@ -29,9 +29,9 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from pdinfer.kv_transfer.connector import HandshakeError
+from pdinfer.kv_transfer.connector import Arrival, HandshakeError
 from pdinfer.kv_transfer.cuda_ipc import CudaIpcConnector
-from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVPush, encode
+from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVPush
 from pdinfer.kv_transfer.staging import DEFAULT_STAGING_BYTES, StagedKV, land_blocks
 
 logger = logging.getLogger("pdinfer")
@@ -78,6 +78,8 @@ class NcclConnector(CudaIpcConnector):
         engine_type: int = 0,
         device=None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        max_push_blocks: int = 0,
+        bytes_per_block: int = 0,
     ):
         self._store = None
         self._store_address = ""
@@ -88,6 +90,7 @@ class NcclConnector(CudaIpcConnector):
             self._store_address = f"{listen_host}:{self._store.port}"
         self._groups: dict[bytes, Future] = {}  # CE: PE identity -> its pair group
         self._received: dict[str, tuple[torch.Tensor, dist.Work]] = {}  # CE: transfer id -> (buffer, recv)
+        self._draining: list[tuple[torch.Tensor, dist.Work]] = []  # CE: receives of refused pushes
         # PE: CE address -> pair group (a c10d Backend: Any, its stubs declare no send/recv)
         self._peer_groups: dict[str, Any] = {}
         self._sending: set[str] = set()  # PE: transfer ids whose send is in flight
@@ -95,7 +98,14 @@ class NcclConnector(CudaIpcConnector):
         self._sends_lock = threading.Lock()
         self._send_queues: dict[int, queue.Queue] = {}  # PE: pair group -> its send waiter
         super().__init__(
-            listen_host, listen_port, secret=secret, engine_type=engine_type, device=device, staging_bytes=staging_bytes
+            listen_host,
+            listen_port,
+            secret=secret,
+            engine_type=engine_type,
+            device=device,
+            staging_bytes=staging_bytes,
+            max_push_blocks=max_push_blocks,
+            bytes_per_block=bytes_per_block,
         )
 
     # --- handshake ----------------------------------------------------------------------------------
@@ -136,7 +146,7 @@ class NcclConnector(CudaIpcConnector):
     def send(self, address: str, push: KVPush, payload: StagedKV) -> None:
         with self._regions_lock:
             self._regions[push.transfer_id] = payload
-        self._command(("send", address, [encode(push, self.secret)]))
+        self._command(("send", address, [self._seal(address, push)]))
         group = self._peer_groups.get(address)
         if group is None or push.nbytes <= 0:
             return  # "not connected": the socket thread answers with a refusal
@@ -195,16 +205,31 @@ class NcclConnector(CudaIpcConnector):
         super()._release(transfer_id)
 
     # --- CE: post every recv in order, land in step order --------------------------------------------
+    def _refused_push(self, identity: bytes, push: KVPush) -> None:
+        # The PE sends the bytes of every push it made: the pair's receives must stay matched to
+        # its sends in order, so a refused push is still received (and dropped), in turn.
+        limit = self.max_push_bytes or push.nbytes
+        if identity in self._groups and 0 < push.nbytes <= limit:
+            self._inbox.put(Arrival(push=push, payload=b"", peer=identity, drain_only=True))
+
     def receive(self) -> list:
-        arrivals = super().receive()
-        for arrival in arrivals:
+        kept = []
+        for arrival in super().receive():
             push, future = arrival.push, self._groups.get(cast(bytes, arrival.peer))  # the ROUTER identity
             if future is None or push.nbytes <= 0:
+                if not arrival.drain_only:
+                    kept.append(arrival)
                 continue
             group = future.result(timeout=GROUP_TIMEOUT_S)
             buffer = torch.empty(push.nbytes, dtype=torch.uint8, device=self.device)
-            self._received[push.transfer_id] = (buffer, group.recv([buffer], PE_RANK, 0))
-        return arrivals
+            work = group.recv([buffer], PE_RANK, 0)
+            if arrival.drain_only:
+                self._draining.append((buffer, work))
+            else:
+                self._received[push.transfer_id] = (buffer, work)
+                kept.append(arrival)
+        self._draining = [(buffer, work) for buffer, work in self._draining if not work.is_completed()]
+        return kept
 
     def land(self, arrival, cache) -> str | None:
         push = arrival.push

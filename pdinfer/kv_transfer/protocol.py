@@ -8,7 +8,17 @@ import zlib
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the handshake's nonce and session
+
+# A CE's KV port reads no frame larger than a push's payload can legally be plus this: every
+# other message (and a push's header) fits in it, with 8 more bytes for each block id.
+CONTROL_FRAME_BYTES = 64 << 10
+
+
+def frame_limit(max_push_blocks: int, bytes_per_block: int) -> int:
+    """ZMQ_MAXMSGSIZE of a CE's KV port: the largest legal push (``bytes_per_block`` 0 where
+    K/V does not ride in a payload frame) plus its header."""
+    return max_push_blocks * (bytes_per_block + 8) + CONTROL_FRAME_BYTES
 
 
 class KVLayout(msgspec.Struct, frozen=True):
@@ -34,6 +44,9 @@ class Hello(msgspec.Struct, tag="hello"):
     layout: KVLayout
     engine_type: int
     version: int = PROTOCOL_VERSION
+    # Fresh for every handshake: a CE refuses a nonce it has seen (a replayed Hello), and a PE
+    # takes only the HelloAck that echoes its own.
+    nonce: str = ""
     data_plane: str = "zmq"  # how K/V bytes travel: "zmq" (payload frames) or "mooncake" (in place)
     data_info: bytes = b""  # what the data plane tells the CE (cuda_ipc: the PE's staging pool)
 
@@ -42,6 +55,8 @@ class HelloAck(msgspec.Struct, tag="hello_ack"):
     ok: bool
     instance_id: str  # changes when the CE restarts: stale reservations are never trusted
     error: str | None = None
+    nonce: str = ""  # the Hello's
+    session: str = ""  # the PE names it in every later message on this connection
     # data_plane "mooncake": the CE's Mooncake session id and where its KV cache is in its memory
     data_session: str | None = None
     kv_address: int = 0
@@ -67,6 +82,7 @@ class KVPush(msgspec.Struct, tag="push"):
     # pool (segment ``staging_info``, at ``staging_offset``) and ``checksum`` is kv_checksum's.
     staging_offset: int = -1
     staging_info: bytes = b""
+    session: str = ""  # the handshake's (HelloAck.session)
 
 
 class KVAck(msgspec.Struct, tag="ack"):
@@ -80,6 +96,7 @@ class KVAck(msgspec.Struct, tag="ack"):
 class KVAbort(msgspec.Struct, tag="abort"):
     transfer_id: str
     request_id: str
+    session: str = ""  # the handshake's (HelloAck.session)
 
 
 Message = Hello | HelloAck | KVPush | KVAck | KVAbort

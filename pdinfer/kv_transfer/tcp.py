@@ -1,24 +1,31 @@
 """The KV connector over ZeroMQ TCP: any two processes, any two hosts.
 
 One background thread owns every socket (ZeroMQ sockets are not thread-safe): a ROUTER that
-PEs push to (CE side) and one DEALER per CE we push to (PE side). The engine thread talks to
-it through queues and a wake-up pipe. Frames: [envelope] or [envelope, payload]; the payload is
-raw tensor bytes, the envelope a msgspec message; nothing is unpickled.
+PEs push to (CE side, the "KV port", its checks in ``tcp_port``) and one DEALER per CE we push
+to (PE side). The engine thread talks to it through queues and a wake-up pipe. Frames:
+[envelope] or [envelope, payload]; the payload is raw tensor bytes, the envelope a msgspec
+message; nothing is unpickled. The thread survives anything one message or address does: a bad
+one fails that handshake or is refused, and the rest goes on.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
+import time
 import uuid
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
-from pdinfer.kv_transfer.connector import Arrival, HandshakeError, KVConnector
+from pdinfer.kv_transfer.connector import DEFAULT_HANDSHAKE_TIMEOUT_S, Arrival, HandshakeError, KVConnector
+from pdinfer.kv_transfer.gate import TransferGate
 from pdinfer.kv_transfer.protocol import (
+    CONTROL_FRAME_BYTES,
     AuthError,
     Hello,
     HelloAck,
@@ -27,20 +34,48 @@ from pdinfer.kv_transfer.protocol import (
     KVPush,
     decode,
     encode,
+    frame_limit,
 )
+from pdinfer.kv_transfer.tcp_port import KVPort, RefusalLog
 
 logger = logging.getLogger("pdinfer")
+
+_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):([0-9]{1,5})")
+
+
+def check_tcp_address(address: object) -> None:
+    """ValueError unless ``address`` is ``tcp://host:port`` (a name or an IP, no wildcard)."""
+    match = _ENDPOINT.fullmatch(address) if isinstance(address, str) and len(address) <= 256 else None
+    if match is None or not 1 <= int(match.group(2)) <= 65535:
+        raise ValueError(
+            f"the KV address {str(address)[:80]!r} is not a ZeroMQ TCP endpoint (tcp://host:port, port 1-65535)"
+        )
+
+
+@dataclass
+class _PendingHello:
+    nonce: str
+    deadline: float
+    timeout_s: float
+    futures: list[Future] = field(default_factory=list)
 
 
 class TcpConnector(KVConnector):
     data_plane = "zmq"  # K/V bytes ride in the push's payload frame
 
     def __init__(
-        self, listen_host: str | None = None, listen_port: int = 0, secret: str | None = None, engine_type: int = 0
+        self,
+        listen_host: str | None = None,
+        listen_port: int = 0,
+        secret: str | None = None,
+        engine_type: int = 0,
+        max_push_blocks: int = 0,
+        bytes_per_block: int = 0,
     ):
         self.secret = secret.encode() if secret else None
         self.engine_type = engine_type
         self.instance_id = uuid.uuid4().hex
+        self.gate = TransferGate()
         self._ctx: zmq.Context[zmq.Socket] = zmq.Context.instance()
         self._commands: queue.Queue = queue.Queue()
         self._inbox: queue.Queue[Arrival] = queue.Queue()
@@ -51,24 +86,36 @@ class TcpConnector(KVConnector):
         self._wake_send = self._ctx.socket(zmq.PUSH)
         self._wake_send.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
+        self._refusals = RefusalLog()
+        self.max_message_bytes = -1  # a PE reads only control messages (its dealers' own bound)
+        self.max_push_bytes = max_push_blocks * bytes_per_block  # 0: not known
         self._router: zmq.Socket | None = None
+        self._port: KVPort | None = None
         self._address = ""
         if listen_host is not None:
-            self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            if listen_port:
-                self._router.bind(f"tcp://{listen_host}:{listen_port}")
-                port = listen_port
-            else:
-                port = self._router.bind_to_random_port(f"tcp://{listen_host}")
-            self._address = f"tcp://{listen_host}:{port}"
-        self._handshaken: set[bytes] = set()
+            payload_bytes = bytes_per_block if self.data_plane == "zmq" else 0
+            self.max_message_bytes = frame_limit(max_push_blocks, payload_bytes) if max_push_blocks > 0 else -1
+            self._router, self._address = self._bind(listen_host, listen_port)
+            self._port = KVPort(self, self._router)
         self._dealers: dict[str, zmq.Socket] = {}
-        self._pending_hello: dict[str, Future] = {}
+        self._pending_hello: dict[str, _PendingHello] = {}
         self._peer_instance: dict[str, str] = {}
+        self._sessions_out: dict[str, str] = {}  # CE address -> our session there
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="pdinfer-kv-tcp", daemon=True)
         self._thread.start()
+
+    def _bind(self, host: str, port: int) -> tuple[zmq.Socket, str]:
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        # Before bind: a listener copies the options into every connection it accepts.
+        router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)  # a larger frame drops the peer
+        router.setsockopt(zmq.RCVHWM, 64)  # messages queued per peer before TCP pushes back
+        if port:
+            router.bind(f"tcp://{host}:{port}")
+        else:
+            port = router.bind_to_random_port(f"tcp://{host}")
+        return router, f"tcp://{host}:{port}"
 
     @property
     def address(self) -> str:
@@ -77,16 +124,19 @@ class TcpConnector(KVConnector):
         return self._address
 
     # --- engine-thread API ---------------------------------------------------------------------
-    def connect(self, address: str, timeout_s: float = 10.0) -> str:
+    def check_address(self, address: object) -> None:
+        check_tcp_address(address)
+
+    def start_connect(self, address: str, timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S) -> Future:
+        self.check_address(address)
         if self.layout is None:
             raise RuntimeError("register(layout) before connect")
         future: Future = Future()
-        self._command(("connect", address, future))
-        try:
-            ack: HelloAck = future.result(timeout=timeout_s)
-        except TimeoutError:
-            self._command(("drop", address, None))
-            raise HandshakeError(f"no handshake answer from {address} within {timeout_s:.0f} s") from None
+        self._command(("connect", address, (future, timeout_s)))
+        return future
+
+    def finish_connect(self, address: str, future: Future) -> str:
+        ack: HelloAck = future.result()  # the socket thread resolves it by the handshake's deadline
         if not ack.ok:
             self._command(("drop", address, None))
             raise HandshakeError(f"{address} refused the KV hand-off: {ack.error}")
@@ -96,7 +146,11 @@ class TcpConnector(KVConnector):
             self._command(("drop", address, None))
             raise
         self._peer_instance[address] = ack.instance_id
+        self._sessions_out[address] = ack.session
         return ack.instance_id
+
+    def connect(self, address: str, timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S) -> str:
+        return self.finish_connect(address, self.start_connect(address, timeout_s))
 
     def _check_peer(self, address: str, ack: HelloAck) -> None:
         """What a data plane needs from the CE's HelloAck (nothing: ours rides on this socket)."""
@@ -104,11 +158,16 @@ class TcpConnector(KVConnector):
     def peer_instance(self, address: str) -> str | None:
         return self._peer_instance.get(address)
 
+    def _seal(self, address: str, message: KVPush | KVAbort) -> bytes:
+        """``message`` in its envelope, naming our session with the CE at ``address``."""
+        message.session = self._sessions_out.get(address, "")
+        return encode(message, self.secret)
+
     def send(self, address: str, push: KVPush, payload) -> None:
-        self._command(("send", address, [encode(push, self.secret), payload]))
+        self._command(("send", address, [self._seal(address, push), payload]))
 
     def abort(self, address: str, message: KVAbort) -> None:
-        self._command(("send", address, [encode(message, self.secret)]))
+        self._command(("send", address, [self._seal(address, message)]))
 
     def receive(self) -> list[Arrival]:
         return _drain(self._inbox)
@@ -140,17 +199,25 @@ class TcpConnector(KVConnector):
             poller.register(self._router, zmq.POLLIN)
         try:
             while self._running:
-                for sock, _ in poller.poll(500):
-                    if sock is self._wake_recv:
-                        _drain_socket(self._wake_recv)
-                        self._run_commands(poller)
-                    elif self._router is not None and sock is self._router:
-                        self._on_router(self._router)
-                    else:
-                        self._on_dealer(sock)
+                for sock, _ in poller.poll(200):
+                    try:
+                        if sock is self._wake_recv:
+                            _drain_socket(self._wake_recv)
+                            self._run_commands(poller)
+                        elif self._port is not None and sock is self._router:
+                            self._port.on_message()
+                        else:
+                            self._on_dealer(sock)
+                    except zmq.ContextTerminated:
+                        raise
+                    except Exception:  # one bad message or address must not end the thread
+                        logger.exception("KV transport: error handling a message (carrying on)")
+                self._expire_hellos(poller)
         except zmq.ContextTerminated:
             pass
         finally:
+            for pending in self._pending_hello.values():
+                _fail(pending.futures, HandshakeError("the KV connector was closed"))
             for sock in [*self._dealers.values(), self._router, self._wake_recv, self._wake_send]:
                 if sock is not None:
                     sock.close(linger=0)
@@ -165,12 +232,9 @@ class TcpConnector(KVConnector):
                 self._running = False
                 return
             if kind == "connect":
-                self._open_dealer(poller, target, arg)
+                self._open_dealer(poller, target, *arg)
             elif kind == "drop":
-                sock = self._dealers.pop(target, None)
-                if sock is not None:
-                    poller.unregister(sock)
-                    sock.close(linger=0)
+                self._close_dealer(poller, target)
             elif kind == "send":
                 sock = self._dealers.get(target)
                 if sock is None:
@@ -184,42 +248,78 @@ class TcpConnector(KVConnector):
             elif kind == "reply" and self._router is not None:
                 self._router.send_multipart([target, *arg])
 
-    def _open_dealer(self, poller, address: str, future: Future) -> None:
-        old = self._dealers.pop(address, None)
-        if old is not None:  # re-handshake: a restarted CE is never trusted from stale state
-            poller.unregister(old)
-            old.close(linger=0)
+    def _open_dealer(self, poller, address: str, future: Future, timeout_s: float) -> None:
+        pending = self._pending_hello.get(address)
+        if pending is not None:  # a handshake with it is under way: answer both with it
+            pending.futures.append(future)
+            return
+        self._close_dealer(poller, address)  # a re-handshake: a restarted CE is never trusted from stale state
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
+        sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_FRAME_BYTES)  # a CE sends nothing larger
+        try:
+            sock.connect(address)
+            hello = self._hello()
+        except Exception as exc:  # noqa: BLE001 - e.g. a host name that does not resolve
+            sock.close(linger=0)
+            _fail([future], HandshakeError(f"cannot connect to {address}: {exc}"))
+            return
         poller.register(sock, zmq.POLLIN)
         self._dealers[address] = sock
-        self._pending_hello[address] = future
-        sock.send(encode(self._hello(), self.secret))
+        self._pending_hello[address] = _PendingHello(hello.nonce, time.monotonic() + timeout_s, timeout_s, [future])
+        sock.send(encode(hello, self.secret))
+
+    def _close_dealer(self, poller, address: str) -> None:
+        sock = self._dealers.pop(address, None)
+        if sock is not None:
+            poller.unregister(sock)
+            sock.close(linger=0)
+
+    def _expire_hellos(self, poller) -> None:
+        now = time.monotonic()
+        for address, pending in list(self._pending_hello.items()):
+            if now > pending.deadline:
+                del self._pending_hello[address]
+                self._close_dealer(poller, address)
+                error = f"no handshake answer from {address} within {pending.timeout_s:.0f} s"
+                _fail(pending.futures, HandshakeError(error))
 
     def _hello(self) -> Hello:
-        if self.layout is None:  # connect() checked it
+        if self.layout is None:  # start_connect checked it
             raise RuntimeError("register(layout) before connect")
-        return Hello(layout=self.layout, engine_type=self.engine_type, data_plane=self.data_plane)
+        return Hello(
+            layout=self.layout, engine_type=self.engine_type, data_plane=self.data_plane, nonce=uuid.uuid4().hex
+        )
 
     def _on_dealer(self, sock) -> None:
-        address = next(a for a, s in self._dealers.items() if s is sock)
+        address = next((a for a, s in self._dealers.items() if s is sock), None)
         frames = sock.recv_multipart()
+        if address is None:
+            return
         try:
             message = decode(frames[0], self.secret)
         except AuthError:
             refusal = _unsigned_refusal(frames[0])
             if refusal is None:
-                logger.warning("dropping a message from %s not signed with our secret", address)
+                self._refusals.note(
+                    address, "unsigned", "dropping messages from %s not signed with our secret", address
+                )
                 return
             message = refusal
         except msgspec.DecodeError as exc:
-            logger.warning("dropping an unreadable message from %s: %s", address, exc)
+            self._refusals.note(address, "unreadable", "dropping an unreadable message from %s: %s", address, exc)
             return
         if isinstance(message, HelloAck):
-            future = self._pending_hello.pop(address, None)
-            if future is not None and not future.done():
-                future.set_result(message)
+            pending = self._pending_hello.get(address)
+            if pending is None or message.nonce != pending.nonce:  # stale, or replayed to us
+                self._refusals.note(
+                    address, "stray-ack", "ignoring a handshake answer from %s we did not ask for", address
+                )
+                return
+            del self._pending_hello[address]
+            for future in pending.futures:
+                if not future.done():
+                    future.set_result(message)
         elif isinstance(message, KVAck):
             self._on_ack(message)
             self._events.put(message)
@@ -227,52 +327,29 @@ class TcpConnector(KVConnector):
     def _on_ack(self, ack: KVAck) -> None:
         """Socket thread: an ack arrived (a device transport frees its staging here)."""
 
-    def _on_router(self, router: zmq.Socket) -> None:
-        frames = router.recv_multipart(copy=False)
-        identity = frames[0].bytes
-        try:
-            message = decode(frames[1].bytes, self.secret)
-        except AuthError as exc:
-            # Refusals go out unsigned: the sender may not know our secret, and a refusal grants nothing.
-            refusal = HelloAck(ok=False, instance_id=self.instance_id, error=f"authentication failed: {exc}")
-            router.send_multipart([identity, encode(refusal, None)])
-            return
-        except msgspec.DecodeError as exc:
-            logger.warning("dropping a malformed KV message: %s", exc)
-            return
-        if isinstance(message, Hello):
-            router.send_multipart([identity, encode(self._answer_hello(identity, message), self.secret)])
-        elif isinstance(message, KVPush):
-            if identity not in self._handshaken:
-                ack = KVAck(transfer_id=message.transfer_id, ok=False, error="no handshake on this connection")
-                router.send_multipart([identity, encode(ack, self.secret)])
-                return
-            payload = frames[2].buffer if len(frames) > 2 else b""
-            self._inbox.put(Arrival(push=message, payload=payload, peer=identity))
-        elif isinstance(message, KVAbort):
-            self._events.put(message)
-
+    # --- the CE's side of the handshake (hooks of the KV port) -------------------------------------------
     def _answer_hello(self, identity: bytes, hello: Hello) -> HelloAck:
-        from pdinfer.kv_transfer.protocol import PROTOCOL_VERSION
+        """Layout, protocol and data plane checked by the port; a data plane adds its own."""
+        return (
+            self._port.accept_hello(identity, hello)
+            if self._port is not None
+            else self._refuse_hello(identity, hello, "not listening")
+        )
 
-        if hello.version != PROTOCOL_VERSION:
-            return HelloAck(
-                ok=False, instance_id=self.instance_id, error=f"protocol version {hello.version} != {PROTOCOL_VERSION}"
-            )
-        if self.layout is None:
-            return HelloAck(ok=False, instance_id=self.instance_id, error="KV cache not ready")
-        if hello.data_plane != self.data_plane:
-            return HelloAck(
-                ok=False,
-                instance_id=self.instance_id,
-                error=f"the PE sends K/V over {hello.data_plane}, this CE takes it over "
-                f"{self.data_plane}: give both the same kv connector",
-            )
-        mismatch = self.layout.mismatch(hello.layout)
-        if mismatch:
-            return HelloAck(ok=False, instance_id=self.instance_id, error=f"KV layout mismatch ({mismatch})")
-        self._handshaken.add(identity)
-        return HelloAck(ok=True, instance_id=self.instance_id)
+    def _refuse_hello(self, identity: bytes, hello: Hello, error: str) -> HelloAck:
+        if self._port is not None:
+            self._port.sessions.pop(identity, None)
+        return HelloAck(ok=False, instance_id=self.instance_id, error=error, nonce=hello.nonce)
+
+    def _refused_push(self, identity: bytes, push: KVPush) -> None:
+        """Socket thread: the port refused ``push`` (a transport whose bytes follow on another
+        link takes them off it here)."""
+
+
+def _fail(futures: list[Future], error: Exception) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(error)
 
 
 def _unsigned_refusal(frame: bytes) -> HelloAck | None:

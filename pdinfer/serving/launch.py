@@ -7,19 +7,24 @@ then ``pdinfer router`` in front of them; waits until the router sees every engi
 prints the URL. Each child runs in its own process group (and, on Linux, gets SIGTERM if this
 process dies). Ctrl-C or SIGTERM stops them all: SIGTERM to each group, SIGKILL to what is left
 after ``_STOP_GRACE_S``. A child that dies during startup stops the rest: exit 1 with its log tail.
+
+The engines share one KV secret (``--kv-secret``, else a random one per cluster), handed to them
+in their environment (``PDINFER_KV_SECRET``), never on a command line ``ps`` shows: without it
+nobody else can shake hands with a CE's KV port.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdinfer import env
@@ -41,6 +46,7 @@ class Child:
     cmd: list[str]
     url: str
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # on top of launch's own environment
     proc: subprocess.Popen | None = None
 
     @property
@@ -90,8 +96,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     flags: list[str] = []
     for action in parser._actions:  # argparse keeps no public list of a parser's actions
         value = getattr(args, action.dest, action.default)
-        if not action.option_strings or action.dest == "kv_port" or value == action.default:
-            continue  # (each CE picks its own K/V port)
+        if not action.option_strings or action.dest in ("kv_port", "kv_secret") or value == action.default:
+            continue  # (each CE picks its own K/V port; the secret goes in the environment)
         option = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
             flags.append(option if value else "--no-" + option[2:])
@@ -131,6 +137,7 @@ def _children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
     if args.num_threads is None:  # engines on one machine share its cores
         flags += ["--num-threads", str(max(1, (os.cpu_count() or 1) // num_engines))]
     devices = engine_devices(args.device, num_engines)
+    kv_env = {"PDINFER_KV_SECRET": args.kv_secret or secrets.token_hex(32)}
     children: list[Child] = []
     for role, count in (("prompt", args.prefill), ("completion", args.decode), ("normal", args.normal)):
         for i in range(count):
@@ -139,7 +146,8 @@ def _children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
             device = devices[len(children)]
             if device is not None:
                 cmd += ["--device", device]
-            children.append(Child(f"{role}-{i}", cmd, f"http://127.0.0.1:{port}", log_dir / f"{role}-{i}.log"))
+            log_path = log_dir / f"{role}-{i}.log"
+            children.append(Child(f"{role}-{i}", cmd, f"http://127.0.0.1:{port}", log_path, env=dict(kv_env)))
     router = [*pdinfer, "router", "--host", args.host, "--port", str(args.port)]
     for role, flag in (("prompt", "--prefill"), ("completion", "--decode"), ("normal", "--normal")):
         urls = [c.url for c in children if c.name.startswith(role)]
@@ -168,7 +176,7 @@ def start_child(child: Child) -> None:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=terminate_with_parent,
-            env=env.child_environ(),
+            env=env.child_environ(child.env),
         )
 
 
