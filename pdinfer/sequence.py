@@ -76,10 +76,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
-        self.output_text = ""
         self.output_logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
-        self.detok: Any = None  # incremental detokenizer state, owned by the engine
+        self.num_reported_tokens = 0  # output tokens already sent out in a delta
+        self.reported_finished = False  # its finish already went out
         self.num_steps_scheduled = 0
         self.first_token_time: float | None = None
         self.handoff: Any = None  # P/D bookkeeping, owned by the PE/CE subclasses

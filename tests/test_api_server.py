@@ -1,7 +1,7 @@
 """The OpenAI-compatible server, end to end: a real `pdinfer serve` process and the real `openai`
 client. The reference for text is `LLM` greedy output in this process (itself checked against
 transformers in test_correctness): completions, chat, sampling options, bad requests, many
-concurrent streams, client disconnects and metrics. `AsyncEngine` in process is in
+concurrent streams, client disconnects and metrics, through two API-server processes. `AsyncEngine` in process is in
 test_api_server_async_engine.py."""
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ API_KEY = "sk-test"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    # Two API-server processes in front of the one engine core: every test below goes through
+    # whichever of them accepts the connection.
     args = ["serve", "--api-key", API_KEY, "--kv-cache-memory", "512MiB", "--max-model-len", str(MAX_MODEL_LEN)]
+    args += ["--api-server-count", "2"]
     process = Server(args, tmp_path_factory.mktemp("serve") / "serve.log")
     try:
         process.start()

@@ -86,7 +86,7 @@ def test_a_dead_loop_fails_requests_and_health(async_engine):
     def broken_step():
         raise RuntimeError("injected step failure")
 
-    async_engine.engine.step = broken_step  # fault injection into the engine, not the code tested
+    async_engine.engine.step_deltas = broken_step  # fault injection into the engine, not the code tested
     app = build_app(async_engine, MODEL)
 
     async def run():

@@ -11,9 +11,7 @@ import textwrap
 import pytest
 from dp_helpers import WAIT_S
 
-from pdinfer.distributed.messages import OutputDecoder, OutputEncoder
 from pdinfer.distributed.replica_lb import ReplicaLoadBalancer
-from pdinfer.outputs import CompletionOutput, RequestOutput
 
 
 # --- pure pieces ---------------------------------------------------------------------------------
@@ -33,18 +31,6 @@ def test_load_balancer_scores_by_hand():
     lb.release("a")
     lb.release("b")
     assert lb.score(0) == lb.score(1) == 0
-
-
-def test_output_deltas_round_trip_with_a_trimmed_stop_string():
-    enc, dec = OutputEncoder(), OutputDecoder()
-    texts = [("Hello wor", [1, 2]), ("Hello world STO", [1, 2, 3, 4]), ("Hello world", [1, 2, 3, 4])]
-    for i, (text, tokens) in enumerate(texts):
-        last = i == len(texts) - 1
-        out = RequestOutput(
-            "r", None, [5], [CompletionOutput(0, text, tokens, finish_reason="stop" if last else None)], finished=last
-        )
-        dec.apply(enc.encode(out))
-        assert [(c.text, c.token_ids) for c in dec.snapshot()] == [(text, tokens)]
 
 
 _GROUP_SCRIPT = textwrap.dedent("""

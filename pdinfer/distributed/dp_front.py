@@ -31,15 +31,15 @@ came up -- leaves the front dead (``is_healthy`` False, every request failed).
 
 from __future__ import annotations
 
-import asyncio
 import atexit
+import copy
 import dataclasses
 import logging
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,16 +47,13 @@ from pdinfer import env
 from pdinfer.config import EngineArgs
 from pdinfer.distributed.dp_supervisor import GroupSupervisor
 from pdinfer.distributed.messages import RankStats, params_to_dict
-from pdinfer.distributed.tracked import AsyncSink, TrackedRequest
+from pdinfer.distributed.tracked import TrackedRequest
+from pdinfer.engine.client import EngineClient, EngineDeadError, EngineLimits, EngineOverloadedError
+from pdinfer.engine.core_messages import EngineStats
+from pdinfer.engine.detokenizer import Detokenizer
+from pdinfer.engine.output_tracker import OutputTracker
 from pdinfer.engine_type import EngineType
-from pdinfer.outputs import RequestOutput
 from pdinfer.sampling_params import SamplingParams
-from pdinfer.serving.async_engine import (
-    EngineDeadError,
-    EngineOverloadedError,
-    EngineStats,
-    RequestStream,
-)
 
 logger = logging.getLogger("pdinfer")
 
@@ -90,7 +87,7 @@ class DPOptions:
         return self.heartbeat_timeout_s or self.timeout_s + 15.0
 
 
-class DPFront:
+class DPFront(EngineClient):
     def __init__(self, engine_args: EngineArgs, options: DPOptions | None = None, max_waiting: int | None = None):
         from pdinfer.models.loader import load_tokenizer, resolve_model
         from pdinfer.models.spec import ModelSpec
@@ -116,7 +113,12 @@ class DPFront:
         self.spec = ModelSpec.from_hf_config(hf_config)
         self.scheduler_config = engine_args.create_scheduler_config(self.spec.max_position_embeddings)
         source = engine_args.tokenizer if engine_args.tokenizer != engine_args.model else None
-        self.tokenizer = load_tokenizer(folder, source)
+        super().__init__(load_tokenizer(folder, source), max_waiting)
+        self.limits = EngineLimits(
+            self.scheduler_config.max_model_len, self.scheduler_config.prompt_limit, self.spec.vocab_size
+        )
+        # The I/O thread detokenizes the outputs of ``submit`` (streams do it on their loop).
+        self._front_detokenizer = Detokenizer(copy.deepcopy(self.tokenizer) if self.tokenizer else None)
         self._tokenizer_lock = threading.Lock()
         self.error: BaseException | None = None
         self.lock = threading.Lock()  # guards requests, commands and error
@@ -126,12 +128,9 @@ class DPFront:
         self._supervisor: GroupSupervisor | None = None
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self.role = EngineType.NORMAL
 
     # --- what the server reads ---------------------------------------------------------------
-    @property
-    def role(self) -> EngineType:
-        return EngineType.NORMAL
-
     @property
     def is_healthy(self) -> bool:
         sup = self._supervisor
@@ -218,9 +217,11 @@ class DPFront:
         *,
         final_only: bool = False,
         dp_rank: int | None = None,
+        raw: bool = False,
     ) -> None:
-        """Add a request from any thread; its outputs (or an exception) go to ``sink``, called
-        from the front's I/O thread (it must not block). ``dp_rank`` pins it to one rank."""
+        """Add a request from any thread; its cumulative outputs (or an exception) go to
+        ``sink``, called from the front's I/O thread (it must not block); ``raw``: the engine's
+        ``RequestDelta``s instead, undetokenized. ``dp_rank`` pins it to one rank."""
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         params.verify()
@@ -229,11 +230,14 @@ class DPFront:
         text, token_ids = self.tokenize(prompt)
         values = params_to_dict(params)
         values["seed"] = params.resolved_seed()
-        tracked = TrackedRequest(request_id, text, token_ids, values, sink, final_only, dp_rank, time.monotonic())
+        tracker = None if raw else OutputTracker(request_id, text, token_ids, params, self._front_detokenizer)
+        tracked = TrackedRequest(
+            request_id, text, token_ids, values, sink, tracker, final_only, dp_rank, time.monotonic()
+        )
         with self.lock:
             sup = self._supervisor  # start() sets it with _thread
             if self.error is not None or self._stopped or self._thread is None or sup is None:
-                raise EngineDeadError(self._dead_message())
+                raise EngineDeadError(self.dead_message())
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
             if self.max_waiting is not None:
@@ -246,22 +250,23 @@ class DPFront:
             self.commands.append(("add", request_id))
         sup.wake()
 
-    async def add_request(
-        self, request_id: str, prompt, params: SamplingParams, *, dp_rank: int | None = None
-    ) -> RequestStream:
-        items: asyncio.Queue = asyncio.Queue()
-        self.submit(request_id, prompt, params, AsyncSink(asyncio.get_running_loop(), items), dp_rank=dp_rank)
-        return RequestStream(self, request_id, items)  # type: ignore[arg-type]
+    async def _submit(self, request_id: str, text, token_ids, params: SamplingParams, extra: dict):
+        stream = self._streams[request_id]
 
-    async def generate(
-        self, request_id: str, prompt, params: SamplingParams, *, dp_rank: int | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params, dp_rank=dp_rank)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
+        def sink(item) -> None:
+            stream.loop.call_soon_threadsafe(stream.push, item)  # RuntimeError: the loop is closed
+
+        dp_rank = extra.pop("dp_rank", None)
+        if extra:
+            raise ValueError(f"unknown request options: {sorted(extra)}")
+        prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        self.submit(request_id, prompt, params, sink, dp_rank=dp_rank, raw=True)
+
+    def stop_seqs(self, items: list[tuple[str, int]]) -> None:
+        with self.lock:
+            self.commands.extend(("stop_seq", request_id, index) for request_id, index in items)
+        if self._supervisor is not None:
+            self._supervisor.wake()
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; a no-op for a request that already finished."""
@@ -296,7 +301,7 @@ class DPFront:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return token_ids
 
-    def _dead_message(self) -> str:
+    def dead_message(self) -> str:
         if self.error is not None:
             return f"the DP group is down: {self.error}"
         if self._thread is None:

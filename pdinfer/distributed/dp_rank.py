@@ -29,8 +29,6 @@ from pdinfer import env as pdinfer_env
 from pdinfer.distributed.messages import (
     AbortRequest,
     AddRequest,
-    OutputDelta,
-    OutputEncoder,
     Ping,
     RankConfig,
     RankFailed,
@@ -38,11 +36,13 @@ from pdinfer.distributed.messages import (
     RankStats,
     StepReport,
     StopRanks,
+    StopSeq,
     ToFront,
     decode_to_rank,
     encode,
     engine_args_from_dict,
 )
+from pdinfer.outputs import RequestDelta
 
 logger = logging.getLogger("pdinfer")
 
@@ -85,7 +85,6 @@ class FrontChannel:
 class RankLoop:
     def __init__(self, cfg: RankConfig, engine, group, channel: FrontChannel):
         self.cfg, self.engine, self.group, self.channel = cfg, engine, group, channel
-        self.encoder = OutputEncoder()
         self.stopping = False
         self.last_front_message_s = time.monotonic()
         self.last_report_s = 0.0
@@ -109,9 +108,9 @@ class RankLoop:
                 self._report([])
                 continue
             sleep_ms, idle_rounds = 0.0, 0
-            outputs = self.engine.step()
+            outputs = self.engine.step_deltas()
             self.num_steps += 1
-            self._report([self.encoder.encode(o) for o in outputs])
+            self._report(outputs)
 
     def _apply(self, message) -> None:
         self.last_front_message_s = time.monotonic()
@@ -119,6 +118,8 @@ class RankLoop:
             self._add(message)
         elif isinstance(message, AbortRequest):
             self.engine.abort_request(message.request_id)
+        elif isinstance(message, StopSeq):
+            self.engine.stop_seq(message.request_id, message.index)
         elif isinstance(message, StopRanks):
             self.stopping = True
         elif not isinstance(message, Ping):
@@ -131,9 +132,9 @@ class RankLoop:
         try:
             self.engine.add_request(message.request_id, prompt, SamplingParams(**message.params))
         except (ValueError, TypeError) as exc:  # the front validated; report it, keep serving
-            self._report([OutputDelta(message.request_id, True, str(exc), [])])
+            self._report([RequestDelta(message.request_id, [], True, str(exc))])
 
-    def _report(self, outputs: list[OutputDelta]) -> None:
+    def _report(self, outputs: list[RequestDelta]) -> None:
         now = time.monotonic()
         if not outputs and now - self.last_report_s < HEARTBEAT_INTERVAL_S:
             return

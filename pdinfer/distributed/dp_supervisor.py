@@ -23,7 +23,6 @@ from pdinfer.distributed.messages import (
     AbortRequest,
     AddRequest,
     AgentHello,
-    OutputDelta,
     Ping,
     RankConfig,
     RankExited,
@@ -33,11 +32,13 @@ from pdinfer.distributed.messages import (
     StartGeneration,
     StepReport,
     StopRanks,
+    StopSeq,
     engine_args_to_dict,
 )
 from pdinfer.distributed.replica_lb import ReplicaLoadBalancer
 from pdinfer.distributed.tracked import TrackedRequest
-from pdinfer.serving.async_engine import EngineDeadError
+from pdinfer.engine.client import EngineDeadError
+from pdinfer.outputs import RequestDelta, SeqDelta
 
 if TYPE_CHECKING:
     from pdinfer.distributed.dp_front import DPFront
@@ -172,6 +173,10 @@ class GroupSupervisor:
                 self.pending.append(command[1])
             elif command[0] == "abort":
                 self._abort(command[1])
+            elif command[0] == "stop_seq":
+                tracked = self.front.requests.get(command[1])
+                if tracked is not None and tracked.rank is not None:
+                    self._send(tracked.rank, StopSeq(command[1], command[2]))
             else:
                 self._stopping = True
         if self.is_ready and self.pending:
@@ -214,22 +219,27 @@ class GroupSupervisor:
         tracked.num_attempts += 1
         self._send(rank, AddRequest(tracked.request_id, tracked.prompt, tracked.prompt_token_ids, tracked.params))
 
-    def _on_output(self, rank: int, delta: OutputDelta) -> None:
+    def _on_output(self, rank: int, delta: RequestDelta) -> None:
         tracked = self.front.requests.get(delta.request_id)
         if tracked is None or tracked.rank != rank:
             return
-        tracked.decoder.apply(delta)
-        now = time.monotonic()
-        num_tokens = tracked.decoder.num_output_tokens
-        if num_tokens and tracked.first_token_s is None:
-            tracked.first_token_s = now
+        tracked.num_output_tokens += sum(len(s.token_ids) for s in delta.seqs)
+        if tracked.num_output_tokens and tracked.first_token_s is None:
+            tracked.first_token_s = time.monotonic()
         if delta.finished:
             self.lb.release(delta.request_id)
             del self.front.requests[delta.request_id]
-        elif num_tokens:
-            self.lb.progress(delta.request_id, num_tokens)
+        elif tracked.num_output_tokens:
+            self.lb.progress(delta.request_id, tracked.num_output_tokens)
+        if tracked.tracker is None:  # a stream: its consumer detokenizes
+            self._deliver(tracked, delta)
+            return
+        for index in tracked.tracker.apply(delta):  # detokenized here
+            self._send(rank, StopSeq(delta.request_id, index))
         if delta.finished or not tracked.final_only:
-            self._deliver(tracked, tracked.output(delta.finished, delta.error, delta.num_cached_tokens, now))
+            output = tracked.tracker.output()
+            output.extra["dp_rank"] = rank  # which rank ran it (tests, logs)
+            self._deliver(tracked, output)
 
     def _abort(self, request_id: str) -> None:
         tracked = self.front.requests.get(request_id)
@@ -239,7 +249,18 @@ class GroupSupervisor:
             self._send(tracked.rank, AbortRequest(request_id))  # its final output comes back
             return
         del self.front.requests[request_id]
-        self._deliver(tracked, tracked.output(True, "aborted", 0, time.monotonic()))
+        self._end(tracked, "aborted")
+
+    def _end(self, tracked: TrackedRequest, error: str, finish_reason: str = "abort") -> None:
+        """The final delta of a request that ends at the front: every output still open ends."""
+        n = int(tracked.params.get("n", 1))
+        delta = RequestDelta(tracked.request_id, [SeqDelta(i, [], finish_reason=finish_reason) for i in range(n)])
+        delta.finished, delta.error = True, error
+        if tracked.tracker is None:
+            self._deliver(tracked, delta)
+        else:
+            tracked.tracker.apply(delta)
+            self._deliver(tracked, tracked.tracker.output())
 
     def _deliver(self, tracked: TrackedRequest, item) -> None:
         try:
@@ -268,7 +289,7 @@ class GroupSupervisor:
             )
             del self.front.requests[tracked.request_id]
             error = f"the DP group failed while this request ran on rank {tracked.rank} ({reason}); {why}"
-            self._deliver(tracked, tracked.error_output(error, now))
+            self._end(tracked, error, "error")
         retry.sort(key=lambda t: t.arrival_s)
         self.pending = [t.request_id for t in retry] + self.pending
         return len(retry)

@@ -1,14 +1,10 @@
 """Typed messages between the DP front and its rank processes (msgspec JSON, never pickle).
 
-Front -> rank: ``AddRequest``, ``AbortRequest``, ``StopRanks``, ``Ping``.
-Rank -> front: ``RankReady``, ``StepReport`` (output deltas + load, doubling as the heartbeat),
-``RankFailed``. Agent <-> front (ranks on another host): ``AgentHello``, ``StartGeneration``,
-``RankExited``.
-
-Outputs travel as deltas: the engine reports the whole text so far every step, which would make
-a long generation cost O(n^2) bytes; ``OutputEncoder`` sends what changed (a kept prefix length
-and the new suffix, so a stop string that trims the end still round-trips) and
-``OutputDecoder`` rebuilds the cumulative ``RequestOutput``.
+Front -> rank: ``AddRequest``, ``AbortRequest``, ``StopSeq`` (a stop string the front found),
+``StopRanks``, ``Ping``.
+Rank -> front: ``RankReady``, ``StepReport`` (the engine's ``RequestDelta``s -- new token ids,
+never text -- plus load, doubling as the heartbeat), ``RankFailed``. Agent <-> front (ranks on
+another host): ``AgentHello``, ``StartGeneration``, ``RankExited``.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from typing import Any
 import msgspec
 
 from pdinfer.config import EngineArgs
-from pdinfer.outputs import CompletionOutput, RequestOutput
+from pdinfer.outputs import RequestDelta
 from pdinfer.sampling_params import SamplingParams
 
 
@@ -33,6 +29,11 @@ class AddRequest(msgspec.Struct, tag="add"):
 
 class AbortRequest(msgspec.Struct, tag="abort"):
     request_id: str
+
+
+class StopSeq(msgspec.Struct, tag="stop_seq"):
+    request_id: str
+    index: int
 
 
 class StopRanks(msgspec.Struct, tag="stop"):
@@ -61,27 +62,6 @@ class RankStats(msgspec.Struct):
     allreduce_ns: int = 0  # time spent in them, waiting for the slowest rank included
 
 
-class CompletionDelta(msgspec.Struct, array_like=True):
-    index: int
-    text_keep: int  # characters of the previous text that stay
-    text_add: str
-    ids_keep: int
-    ids_add: list[int]
-    logprobs_keep: int
-    logprobs_add: list[dict[int, float]] | None
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-class OutputDelta(msgspec.Struct):
-    request_id: str
-    finished: bool
-    error: str | None
-    completions: list[CompletionDelta]
-    num_cached_tokens: int = 0
-
-
 class RankReady(msgspec.Struct, tag="ready"):
     rank: int
     generation: int
@@ -93,7 +73,7 @@ class RankReady(msgspec.Struct, tag="ready"):
 class StepReport(msgspec.Struct, tag="step"):
     rank: int
     generation: int
-    outputs: list[OutputDelta]
+    outputs: list[RequestDelta]
     stats: RankStats
 
 
@@ -152,7 +132,7 @@ def params_to_dict(params: SamplingParams) -> dict[str, Any]:
     return {name: getattr(params, name) for name in params.__dataclass_fields__ if not name.startswith("_")}
 
 
-ToRank = AddRequest | AbortRequest | StopRanks | Ping | StartGeneration
+ToRank = AddRequest | AbortRequest | StopSeq | StopRanks | Ping | StartGeneration
 ToFront = RankReady | StepReport | RankFailed | AgentHello | RankExited
 
 _encoder = msgspec.json.Encoder()
@@ -170,94 +150,3 @@ def decode_to_rank(data: bytes) -> ToRank:
 
 def decode_to_front(data: bytes) -> ToFront:
     return _to_front.decode(data)
-
-
-# --- output deltas ---------------------------------------------------------------------------------
-def _kept(new, old) -> int:
-    """Length of the common prefix of two strings or lists (usually all of ``old``)."""
-    n = len(old)
-    if len(new) >= n and new[:n] == old:
-        return n
-    i = 0
-    for a, b in zip(new, old):
-        if a != b:
-            break
-        i += 1
-    return i
-
-
-class OutputEncoder:
-    """Rank side: remembers what each request's outputs looked like when last sent."""
-
-    def __init__(self) -> None:
-        self._sent: dict[tuple[str, int], tuple[str, list[int], list]] = {}
-
-    def encode(self, output: RequestOutput) -> OutputDelta:
-        deltas = []
-        for c in output.outputs:
-            key = (output.request_id, c.index)
-            text, ids, logprobs = self._sent.get(key, ("", [], []))
-            new_logprobs = c.logprobs or []
-            tk, ik, lk = _kept(c.text, text), _kept(c.token_ids, ids), _kept(new_logprobs, logprobs)
-            deltas.append(
-                CompletionDelta(
-                    c.index,
-                    tk,
-                    c.text[tk:],
-                    ik,
-                    c.token_ids[ik:],
-                    lk,
-                    new_logprobs[lk:] if c.logprobs is not None else None,
-                    c.cumulative_logprob,
-                    c.finish_reason,
-                    c.stop_reason,
-                )
-            )
-            self._sent[key] = (c.text, list(c.token_ids), list(new_logprobs))
-        if output.finished:
-            for c in output.outputs:
-                self._sent.pop((output.request_id, c.index), None)
-        cached = output.metrics.num_cached_tokens if output.metrics else 0
-        return OutputDelta(output.request_id, output.finished, output.error, deltas, cached)
-
-
-class OutputDecoder:
-    """Front side: one per request; applies deltas to the cumulative output."""
-
-    def __init__(self) -> None:
-        self.completions: dict[int, CompletionOutput] = {}
-
-    def apply(self, delta: OutputDelta) -> None:
-        for d in delta.completions:
-            c = self.completions.get(d.index)
-            if c is None:
-                c = self.completions[d.index] = CompletionOutput(d.index, "", [])
-            c.text = c.text[: d.text_keep] + d.text_add
-            del c.token_ids[d.ids_keep :]
-            c.token_ids.extend(d.ids_add)
-            if d.logprobs_add is not None:
-                c.logprobs = c.logprobs if c.logprobs is not None else []
-                del c.logprobs[d.logprobs_keep :]
-                c.logprobs.extend(d.logprobs_add)
-            c.cumulative_logprob = d.cumulative_logprob
-            c.finish_reason = d.finish_reason
-            c.stop_reason = d.stop_reason
-
-    def snapshot(self) -> list[CompletionOutput]:
-        """Copies: the consumer may keep an output while later deltas arrive."""
-        return [
-            CompletionOutput(
-                c.index,
-                c.text,
-                list(c.token_ids),
-                c.cumulative_logprob,
-                list(c.logprobs) if c.logprobs is not None else None,
-                c.finish_reason,
-                c.stop_reason,
-            )
-            for _, c in sorted(self.completions.items())
-        ]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.completions.values())

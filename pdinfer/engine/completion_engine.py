@@ -98,9 +98,16 @@ class CompletionEngine(LLMEngine):
             timeout_s=self.pd_config.reservation_timeout_s,
         )
 
-    def step(self):
+    def admit(self, request_id: str, prompt, sampling_params: SamplingParams, reservation=None) -> Reservation:
+        """Decode allocates first: the client (the router, through this CE's server) gets the
+        reservation to hand to a PE, or ``NoRoomError`` at once."""
+        if reservation is not None:
+            raise ValueError("a completion engine makes reservations; it does not take one")
+        return self.reserve(request_id, prompt, sampling_params)
+
+    def step_deltas(self):
         self._accept_arrivals()
-        return super().step()
+        return super().step_deltas()
 
     def has_unfinished_requests(self) -> bool:
         return super().has_unfinished_requests() or bool(self.reservations) or bool(self.quarantined)

@@ -1,5 +1,10 @@
 """``LLMEngine``: one class, three roles. The step loop and the hook points of the seed.
 
+``step_deltas()`` is the engine loop's step: it returns every request's new token ids
+(``RequestDelta``) and never detokenizes; an engine core (``engine/core``) ships those to its
+clients. ``step()`` is the same step with the client side in process (``OutputTracker``:
+text, stop strings, cumulative ``RequestOutput``s), for ``LLM`` and for embedding.
+
 ``step()`` calls, in this order: schedule -> post_schedule -> (decode) should_copy_state /
 do_copy_state -> [a PROMPT step must be a prompt_run] -> launch forward + sampling ->
 pre_sampler_sync (decode: wait copy_state_event, do_save_kvcache; prefill:
@@ -10,6 +15,7 @@ With zero-overhead scheduling the post_process of step N runs after step N+1 was
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from concurrent.futures import Future
@@ -24,16 +30,18 @@ from pdinfer.core.dp import DPGroup
 from pdinfer.core.outputs import SchedulerOutputs
 from pdinfer.core.scheduler import Scheduler
 from pdinfer.core.state_manager import StateManager
+from pdinfer.engine.detokenizer import Detokenizer
 from pdinfer.engine.output_processor import OutputProcessor
+from pdinfer.engine.output_tracker import OutputTracker
 from pdinfer.engine.request import RequestState
 from pdinfer.engine.step_builder import StepBuilder
 from pdinfer.engine_type import EngineType
 from pdinfer.kv_store.agent import KVStoreAgent
 from pdinfer.models.loader import load_tokenizer, resolve_model
 from pdinfer.models.spec import ModelSpec
-from pdinfer.outputs import RequestOutput
+from pdinfer.outputs import RequestDelta, RequestOutput
 from pdinfer.sampling_params import SamplingParams
-from pdinfer.sequence import Sequence
+from pdinfer.sequence import Sequence, SequenceStatus
 from pdinfer.worker.model_runner import ModelRunner, StepExecutor, StepFuture
 from pdinfer.worker.step_input import StepInput
 
@@ -93,7 +101,8 @@ class LLMEngine:
         self.copy_state_event: Future | None = None
         self._inflight: InFlight | None = None
         self.last_step_ran = False  # whether the last step launched device work
-        self._ready_outputs: list[RequestOutput] = []
+        self._ready_outputs: list[RequestDelta] = []
+        self._trackers: dict[str, OutputTracker] | None = None  # step()'s client side, once used
         self._step_log = env.get("PDINFER_STEP_LOG")
         logger.info(
             "%s engine ready: %s, %d KV blocks of %d tokens, zero-overhead scheduling %s",
@@ -216,11 +225,19 @@ class LLMEngine:
         state = RequestState(request_id, text, token_ids, params, [seq])
         if arrival_time is not None:
             state.arrival_time = arrival_time
-        self.output_processor.start(seq)
         self.requests[request_id] = state
+        self._track(state)
         if enqueue:
             self.scheduler.add_sequence(seq)
         return seq
+
+    def admit(self, request_id: str, prompt, sampling_params: SamplingParams, reservation=None):
+        """A client's request (an engine core's ``AddRequest``); returns what the client is
+        answered: nothing here, a reservation on a CE (``CompletionEngine.admit``)."""
+        if reservation is not None:
+            raise ValueError("only a prefill engine takes a reservation")
+        self.add_request(request_id, prompt, sampling_params)
+        return None
 
     def fork_request(
         self,
@@ -241,8 +258,8 @@ class LLMEngine:
         fork.request_id = request_id
         state = RequestState(request_id, None, list(source.prompt_token_ids), source.sampling_params, [fork])
         state.expected_seqs = 1
-        self.output_processor.start(fork, replay_output=True)
         self.requests[request_id] = state
+        self._track(state)
         return fork
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -288,6 +305,20 @@ class LLMEngine:
         state.error = state.error or "aborted"
         self._ready_outputs.append(self._report(state))
 
+    def stop_seq(self, request_id: str, index: int) -> None:
+        """End output ``index`` of a request: a stop string completed it (the client side found
+        it). A no-op for a request or output that already ended."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        for seq in state.seqs:
+            if seq.index == index and not seq.is_finished:
+                seq.finish(SequenceStatus.FINISHED_STOPPED)
+                self.scheduler.finish_seq(seq)
+                seq.reported_finished = True  # the client knows; no delta needed
+                if state.finished:
+                    self.requests.pop(request_id, None)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.has_unfinished_seqs() or self._inflight or self._ready_outputs)
 
@@ -296,6 +327,41 @@ class LLMEngine:
 
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step, with the client side in process: the cumulative output (text included)
+        of every request the step touched."""
+        if self._trackers is None:  # first use: track what is already here
+            self._trackers = {}
+            for state in self.requests.values():
+                self._track(state)
+        outputs = []
+        for delta in self.step_deltas():
+            tracker = self._trackers.get(delta.request_id)
+            if tracker is None:
+                continue
+            for index in tracker.apply(delta):
+                self.stop_seq(delta.request_id, index)
+            if tracker.finished:
+                del self._trackers[delta.request_id]
+            outputs.append(tracker.output())
+        return outputs
+
+    def _track(self, state: RequestState) -> None:
+        if self._trackers is not None and state.request_id not in self._trackers:
+            self._trackers[state.request_id] = OutputTracker(
+                state.request_id,
+                state.prompt,
+                state.prompt_token_ids,
+                state.sampling_params,
+                self.detokenizer,
+                arrival_time=state.arrival_time,
+            )
+
+    @functools.cached_property
+    def detokenizer(self) -> Detokenizer:
+        return Detokenizer(self.tokenizer)
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """One step of the engine loop: every request's new token ids, no text."""
         if self.kv_store is not None:
             self.kv_store.load_waiting()  # stored prefixes become prefix-cache hits
         plan = self.scheduler.schedule()
@@ -342,11 +408,11 @@ class LLMEngine:
             for seq in plan.finished_seqs:
                 self.finalize_seq(seq)
 
-    def _post_process_step(self, inflight: InFlight) -> list[RequestOutput]:
+    def _post_process_step(self, inflight: InFlight) -> list[RequestDelta]:
         result = inflight.future.result()  # the sampling sync
         return self.post_process(inflight, result)
 
-    def post_process(self, inflight: InFlight, result) -> list[RequestOutput]:
+    def post_process(self, inflight: InFlight, result) -> list[RequestDelta]:
         outputs = self.output_processor.process(inflight, result)
         plan = inflight.plan
         if plan.prompt_run:
@@ -355,11 +421,11 @@ class LLMEngine:
             self.send_processed_prompts()
         return outputs
 
-    def _report(self, state: RequestState) -> RequestOutput:
-        output = state.make_output()
-        if output.finished:
+    def _report(self, state: RequestState) -> RequestDelta:
+        delta = state.make_delta()
+        if delta.finished:
             self.requests.pop(state.request_id, None)
-        return output
+        return delta
 
     def _log_step(self, plan: SchedulerOutputs) -> None:
         if self._step_log:

@@ -1,14 +1,18 @@
-"""Apply sampled tokens to sequences: detokenize, check stop conditions, fork n > 1, report."""
+"""Apply sampled tokens to sequences: stop checks, n > 1 forks, one ``RequestDelta`` per request.
+
+The engine loop never detokenizes: it checks what token ids decide (EOS, ``stop_token_ids``,
+``max_tokens``, the context length) and reports new token ids. Text and stop strings belong to
+the client side (``output_tracker``), which asks the engine to stop a sequence when a stop
+string completes (``LLMEngine.stop_seq``).
+"""
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from pdinfer.core.outputs import SchedulerOutputs
-from pdinfer.engine.detokenizer import Detokenizer, find_stop
 from pdinfer.engine.request import RequestState, fork_seed
-from pdinfer.outputs import RequestOutput
+from pdinfer.outputs import RequestDelta
 from pdinfer.sequence import Sequence, SequenceStatus
 from pdinfer.worker.step_input import StepResult
 
@@ -19,23 +23,14 @@ if TYPE_CHECKING:
 class OutputProcessor:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.detokenizer = Detokenizer(engine.tokenizer)
         # A PE only samples first tokens for a CE: no stop checks, no forks (the CE does both).
         self.prefill_only = False
-
-    def start(self, seq: Sequence, replay_output: bool = False) -> None:
-        """Begin detokenizing ``seq``; ``replay_output`` first decodes the output tokens it
-        already has (a sequence continued from another engine)."""
-        skip = seq.sampling_params.skip_special_tokens
-        seq.detok = self.detokenizer.start(seq.prompt_token_ids, skip)
-        if replay_output:
-            seq.output_text = "".join(self.detokenizer.append(seq.detok, t, skip) for t in seq.output_token_ids)
 
     def abort(self, seq: Sequence) -> None:
         seq.finish(SequenceStatus.FINISHED_ABORTED)
 
-    def scheduler_outputs(self, plan: SchedulerOutputs) -> list[RequestOutput]:
-        """Outputs for sequences the scheduler itself ended (too long, preempted and stopped)."""
+    def scheduler_outputs(self, plan: SchedulerOutputs) -> list[RequestDelta]:
+        """Deltas for sequences the scheduler itself ended (too long, preempted and stopped)."""
         touched: dict[str, RequestState] = {}
         for seq in plan.ignored_seqs + [s for s in plan.preempted_seqs if s.is_finished]:
             state = self.engine.requests.get(seq.request_id)
@@ -46,30 +41,30 @@ class OutputProcessor:
             touched[state.request_id] = state
         return [self.engine._report(state) for state in touched.values()]
 
-    def process(self, inflight: InFlight, result: StepResult) -> list[RequestOutput]:
+    def process(self, inflight: InFlight, result: StepResult) -> list[RequestDelta]:
         touched: dict[str, RequestState] = {}
         plan = inflight.plan
         for seq, done in zip(plan.scheduled_seqs, plan.do_sample):
             if done:
                 seq.num_pending_tokens -= 1
+        requests = self.engine.requests
         for index, (seq, copy) in enumerate(inflight.owners):
             if seq.is_finished:
                 continue  # aborted or stopped while this step ran; its sample is dropped
-            state = self.engine.requests.get(seq.request_id)
+            state = requests.get(seq.request_id)
             if state is None:
                 continue
             token = result.token_ids[index]
             if self.prefill_only:
                 self._record_first_token(state, seq, copy, token, result, index)
-                touched[state.request_id] = state
-                continue
-            if copy > 0:
-                seq = self._fork(state, seq, copy, token)
-                self._add_logprobs(seq, result, index, token, replace=True)
+            elif copy > 0:
+                fork = self._fork(state, seq, copy, token)
+                self._add_logprobs(fork, result, index, token, replace=True)
+                self._after_token(fork, token)
             else:
                 seq.append_token(token)
                 self._add_logprobs(seq, result, index, token)
-            self._after_token(state, seq, token)
+                self._after_token(seq, token)
             touched[state.request_id] = state
         return [self.engine._report(state) for state in touched.values()]
 
@@ -78,8 +73,6 @@ class OutputProcessor:
             seq.append_token(token)
             self._add_logprobs(seq, result, index, token)
             seq.first_tokens = [token]
-            if state.first_token_time is None:
-                state.first_token_time = time.monotonic()
         else:
             seq.first_tokens.append(token)
 
@@ -96,13 +89,12 @@ class OutputProcessor:
             if logprobs is not None and copy == 0 and seq.sampling_params.logprobs is not None:
                 seq.output_logprobs.append(dict(logprobs))
                 seq.cumulative_logprob += logprobs.get(token, 0.0)
-            self._after_token(state, target, token)
+            self._after_token(target, token)
 
     def _fork(self, state: RequestState, parent: Sequence, copy: int, token: int) -> Sequence:
         child = self.engine.scheduler.fork_seq(
             parent, replace_last_token_id=token, index=copy, seed=fork_seed(parent.seed, copy)
         )
-        child.detok = self.detokenizer.start(child.prompt_token_ids, child.sampling_params.skip_special_tokens)
         child.num_cached_tokens = parent.num_cached_tokens
         state.seqs.append(child)
         return child
@@ -121,33 +113,19 @@ class OutputProcessor:
         seq.output_logprobs.append(entry)
         seq.cumulative_logprob += result.logprobs[index]
 
-    def _after_token(self, state: RequestState, seq: Sequence, token: int) -> None:
-        if state.first_token_time is None:
-            state.first_token_time = time.monotonic()
-            seq.first_token_time = state.first_token_time
-        params = seq.sampling_params
-        new_text = self.detokenizer.append(seq.detok, token, params.skip_special_tokens)
-        seq.output_text += new_text
-        status = self._check_stop(seq, token, len(new_text))
+    def _after_token(self, seq: Sequence, token: int) -> None:
+        status = self._check_stop(seq, token)
         if status is not None:
             seq.finish(status)
             self.engine.scheduler.finish_seq(seq)
 
-    def _check_stop(self, seq: Sequence, token: int, new_chars: int) -> SequenceStatus | None:
-        params = seq.sampling_params
+    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
         if token in seq.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED
-        if params.stop_token_ids and token in params.stop_token_ids:
+        stop_ids = seq.sampling_params.stop_token_ids
+        if stop_ids and token in stop_ids:
             seq.stop_reason = token
             return SequenceStatus.FINISHED_STOPPED
-        if params.stop_strings and new_chars:
-            found = find_stop(seq.output_text, new_chars, params.stop_strings)
-            if found is not None:
-                index, stop = found
-                end = index + len(stop) if params.include_stop_str_in_output else index
-                seq.output_text = seq.output_text[:end]
-                seq.stop_reason = stop
-                return SequenceStatus.FINISHED_STOPPED
         # Known tokens only: with zero-overhead scheduling a later token may already be in flight.
         if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
             return SequenceStatus.FINISHED_LENGTH

@@ -157,6 +157,10 @@ class PrefillEngine(LLMEngine):
             self._await_handshake(seq, enqueue)
         return seq
 
+    def admit(self, request_id: str, prompt, sampling_params: SamplingParams, reservation=None):
+        self.add_request(request_id, prompt, sampling_params, reservation=reservation)
+        return None
+
     # --- handshakes --------------------------------------------------------------------------------
     def _await_handshake(self, seq: Sequence, enqueue: bool) -> None:
         address = seq.handoff.reservation.address
@@ -196,6 +200,10 @@ class PrefillEngine(LLMEngine):
                 if seq.handoff is not None and seq.handoff.sent and not seq.is_finished:
                     self._fail(seq, "aborted", notify_ce=True)
         super().abort_request(request_id)
+
+    def stop_seq(self, request_id: str, index: int) -> None:
+        """A no-op: a prompt engine's sequence ends with its hand-off, and stop strings are the
+        decode side's business (the P/D front asks a PE for its stream with stops off)."""
 
     def has_unfinished_requests(self) -> bool:
         return super().has_unfinished_requests() or bool(self.handoffs) or bool(self._awaiting_peer)

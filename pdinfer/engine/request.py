@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pdinfer.engine.detokenizer import visible_text
-from pdinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pdinfer.outputs import RequestDelta, SeqDelta
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence
 
@@ -26,7 +25,6 @@ class RequestState:
     sampling_params: SamplingParams
     seqs: list[Sequence]
     arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
     error: str | None = None
     # n, until the request ends before its prompt was computed (then no forks will come)
     expected_seqs: int = 0
@@ -38,35 +36,30 @@ class RequestState:
     def finished(self) -> bool:
         return len(self.seqs) >= self.expected_seqs and all(s.is_finished for s in self.seqs)
 
-    def make_output(self) -> RequestOutput:
-        finished = self.finished
-        outputs = []
-        for seq in sorted(self.seqs, key=lambda s: s.index):
-            params = seq.sampling_params
-            outputs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=visible_text(seq.output_text, params.stop_strings, seq.is_finished),
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
-                    logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
+    def make_delta(self) -> RequestDelta:
+        """Every sequence's news since the last delta (nothing is ever sent twice)."""
+        seqs = []
+        for seq in self.seqs:
+            new_tokens = seq.token_ids[seq.num_prompt_tokens + seq.num_reported_tokens :]
+            finishing = seq.is_finished and not seq.reported_finished
+            if not new_tokens and not finishing:
+                continue
+            logprobs = None
+            if seq.sampling_params.logprobs is not None:
+                start = seq.num_reported_tokens
+                logprobs = seq.output_logprobs[start : start + len(new_tokens)]
+            seq.num_reported_tokens += len(new_tokens)
+            seq.reported_finished = seq.is_finished
+            seqs.append(
+                SeqDelta(
+                    seq.index,
+                    new_tokens,
+                    logprobs,
+                    seq.cumulative_logprob if logprobs is not None else None,
+                    seq.finish_reason,
+                    seq.stop_reason if isinstance(seq.stop_reason, int) else None,
                 )
             )
         error = self.error or next((s.error for s in self.seqs if s.error), None)
-        metrics = RequestMetrics(
-            arrival_time=self.arrival_time,
-            first_token_time=self.first_token_time,
-            finished_time=time.monotonic() if finished else None,
-            num_cached_tokens=self.seqs[0].num_cached_tokens if self.seqs else 0,
-        )
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            error=error,
-            metrics=metrics,
-        )
+        cached = self.seqs[0].num_cached_tokens if self.seqs else 0
+        return RequestDelta(self.request_id, seqs, self.finished, error, cached)

@@ -1,5 +1,6 @@
-"""Serving: ``AsyncEngine`` (an engine stepped on a background thread, driven from asyncio) and
-the OpenAI-compatible HTTP app of one engine (``build_app``). The P/D router reuses both.
+"""Serving: the OpenAI-compatible HTTP app of one engine (``build_app``) over any
+``EngineClient`` (``engine/client``); ``AsyncEngine`` is the in-process client (an engine stepped
+on a background thread, driven from asyncio). The P/D router reuses the app's pieces.
 
 Names are imported lazily, so the router, ``launch`` and ``bench`` do not import torch.
 """
@@ -7,11 +8,14 @@ Names are imported lazily, so the router, ``launch`` and ``bench`` do not import
 import importlib as _importlib
 
 _EXPORTS = {
-    "AsyncEngine": "pdinfer.serving.async_engine",
-    "EngineDeadError": "pdinfer.serving.async_engine",
-    "EngineOverloadedError": "pdinfer.serving.async_engine",
-    "EngineStats": "pdinfer.serving.async_engine",
-    "RequestStream": "pdinfer.serving.async_engine",
+    "AsyncEngine": "pdinfer.engine.inproc_client",
+    "InProcessEngineClient": "pdinfer.engine.inproc_client",
+    "MPEngineClient": "pdinfer.engine.mp_client",
+    "EngineClient": "pdinfer.engine.client",
+    "EngineDeadError": "pdinfer.engine.client",
+    "EngineOverloadedError": "pdinfer.engine.client",
+    "EngineStats": "pdinfer.engine.core_messages",
+    "RequestStream": "pdinfer.engine.client",
     "OpenAIServer": "pdinfer.serving.api_server",
     "build_app": "pdinfer.serving.api_server",
 }
@@ -20,6 +24,8 @@ __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name == "AsyncEngine":
+        name = "InProcessEngineClient"
     if name in _EXPORTS:
         return getattr(_importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'pdinfer.serving' has no attribute {name!r}")

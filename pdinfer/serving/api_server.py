@@ -8,6 +8,7 @@ shape, never a 500. A client that goes away (stream or not) aborts its requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -17,18 +18,13 @@ from dataclasses import dataclass, field
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdinfer.engine.client import EngineClient, EngineDeadError, EngineOverloadedError, RequestStream
+from pdinfer.engine.output_tracker import ChoiceDelta
 from pdinfer.engine_type import EngineType
-from pdinfer.outputs import RequestOutput
 from pdinfer.serving import protocol
-from pdinfer.serving.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineOverloadedError,
-    RequestStream,
-)
 from pdinfer.serving.frontend import (
-    Delta,
-    DeltaTracker,
+    DEFAULT_MAX_BODY_BYTES,
+    BodyLimit,
     PromptBuilder,
     ResponseFormat,
     check_api_key,
@@ -48,16 +44,22 @@ _END = object()
 class _Generation:
     """The engine requests behind one HTTP request (one per prompt of a batch)."""
 
-    streams: list[RequestStream]
-    timers: list[RequestTimer]
     n: int
-    logprobs: int | None
+    streams: list[RequestStream] = field(default_factory=list)
+    timers: list[RequestTimer] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
-    finals: list[RequestOutput | None] = field(default_factory=list)
 
     def usage(self) -> dict[str, int]:
-        completion = sum(len(c.token_ids) for out in self.finals if out for c in out.outputs)
+        completion = sum(s.tracker.num_output_tokens for s in self.streams)
         return protocol.usage(sum(self.prompt_tokens), completion)
+
+    def finals(self) -> list[ChoiceDelta]:
+        """Every output, whole."""
+        return [
+            ChoiceDelta(i * self.n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, 0)
+            for i, stream in enumerate(self.streams)
+            for c in stream.tracker.choices.values()
+        ]
 
     def close(self) -> None:
         """Abort what is unfinished."""
@@ -68,12 +70,13 @@ class _Generation:
 class OpenAIServer:
     """The handlers behind the routes; a router or launcher can reuse the pieces."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None = None):
+    def __init__(self, engine: EngineClient, served_model_name: str, api_key: str | None = None):
         self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key
         self.created = int(time.time())
         self.metrics = ServerMetrics(served_model_name, engine.role.name.lower())
+        self.prompts = PromptBuilder(engine.tokenizer, engine.limits.prompt_limit, engine.limits.vocab_size)
 
     # --- checks ----------------------------------------------------------------------------------
     async def authorize(self, request: Request) -> None:
@@ -88,7 +91,6 @@ class OpenAIServer:
                 code="model_not_found",
             )
         if self.engine.role is not EngineType.NORMAL:
-            # P/D serving (requests arriving through the router) is wired by the router's work.
             raise APIError(
                 501,
                 f"this engine plays {self.engine.role.name}: it serves requests "
@@ -97,20 +99,16 @@ class OpenAIServer:
                 code="role_not_servable",
             )
 
-    @property
-    def prompts(self) -> PromptBuilder:
-        """Tokenizes with the serving copy of the tokenizer to check the length up front."""
-        return PromptBuilder(self.engine.tokenizer, self.engine.scheduler_config.prompt_limit)
-
     # --- running requests ------------------------------------------------------------------------
-    async def _start(self, prefix: str, prompts: list[dict], params, param: str) -> _Generation:
+    async def _start(self, prefix: str, prompts: list[dict], params, param: str, show_ids: bool) -> _Generation:
         arrival_s = time.monotonic()
         base = f"{prefix}-{uuid.uuid4().hex}"
-        gen = _Generation([], [], params.n, params.logprobs)
+        gen = _Generation(params.n)
         try:
             for i, prompt in enumerate(prompts):
                 request_id = base if len(prompts) == 1 else f"{base}-{i}"
-                gen.streams.append(await self.engine.add_request(request_id, prompt, params))
+                stream = await self.engine.add_request(request_id, prompt, params, show_token_ids=show_ids)
+                gen.streams.append(stream)
                 gen.timers.append(RequestTimer(self.metrics, arrival_s))
                 gen.prompt_tokens.append(len(prompt["prompt_token_ids"]))
         except BaseException as exc:
@@ -122,108 +120,93 @@ class OpenAIServer:
             if isinstance(exc, EngineDeadError):
                 raise APIError(503, str(exc), type="server_error", code="engine_dead") from None
             raise
-        gen.finals = [None] * len(prompts)
         return gen
 
-    async def _outputs(self, gen: _Generation) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative output) from all of the generation's streams, as they come."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream: RequestStream) -> None:
-            try:
-                async for output in stream:
-                    queue.put_nowait((i, output))
-                queue.put_nowait((i, _END))
-            except Exception as exc:
-                queue.put_nowait((i, exc))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(gen.streams)]
+    async def _deltas(self, gen: _Generation) -> AsyncIterator[ChoiceDelta]:
+        """What every output gained, as it comes; ends when every stream ended."""
         try:
-            remaining = len(tasks)
-            while remaining:
-                i, item = await queue.get()
-                if item is _END:
-                    remaining -= 1
-                    continue
-                if isinstance(item, EngineDeadError):
-                    raise APIError(500, str(item), type="server_error", code="engine_dead")
-                if isinstance(item, Exception):
-                    raise item
-                gen.timers[i].observe(item)
-                gen.finals[i] = item
-                if item.finished and item.error and any(c.finish_reason == "error" for c in item.outputs):
-                    raise APIError(
-                        503,
-                        f"the engine could not finish the request: {item.error}",
-                        type="server_error",
-                        code="engine_error",
-                    )
-                yield i, item
+            if len(gen.streams) == 1:  # the common case: no merging
+                async for shown in gen.streams[0]:
+                    for delta in self._checked(gen, 0, shown):
+                        yield delta
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+            tasks = [asyncio.ensure_future(_pump(i, s, queue)) for i, s in enumerate(gen.streams)]
+            try:
+                remaining = len(tasks)
+                while remaining:
+                    i, item = await queue.get()
+                    if item is _END:
+                        remaining -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        for delta in self._checked(gen, i, item):
+                            yield delta
+            finally:
+                for task in tasks:
+                    task.cancel()
+        except EngineDeadError as exc:
+            raise APIError(500, str(exc), type="server_error", code="engine_dead") from None
         finally:
-            for task in tasks:
-                task.cancel()  # a cancelled stream aborts its request
-            gen.close()
+            gen.close()  # a consumer that stops early aborts the rest
 
-    async def _deltas(self, gen: _Generation, token_ids: bool = False) -> AsyncIterator[Delta]:
-        tracker = DeltaTracker(token_ids)
-        async for i, output in self._outputs(gen):
-            for c in output.outputs:
-                delta = tracker.update(i * gen.n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason)
-                if delta is not None:
-                    yield delta
+    def _checked(self, gen: _Generation, i: int, shown: list[ChoiceDelta]) -> list[ChoiceDelta]:
+        tracker = gen.streams[i].tracker
+        gen.timers[i].observe(tracker)
+        if tracker.finished and tracker.error and any(c.finish_reason == "error" for c in tracker.choices.values()):
+            raise APIError(
+                503,
+                f"the engine could not finish the request: {tracker.error}",
+                type="server_error",
+                code="engine_error",
+            )
+        if i:
+            for delta in shown:
+                delta.index += i * gen.n
+        return shown
 
     async def _collect(self, request: Request, gen: _Generation) -> None:
         """Run to the end; a client that disconnects meanwhile aborts its requests."""
 
         async def drain() -> None:
-            async for _ in self._outputs(gen):
+            async for _ in self._deltas(gen):
                 pass
 
         await run_unless_disconnected(request, drain())
-
-    def _final_deltas(self, gen: _Generation) -> list[Delta]:
-        return [
-            Delta(i * gen.n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, 0)
-            for i, output in enumerate(gen.finals)
-            for c in (output.outputs if output else [])
-        ]
 
     # --- endpoints -------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_servable(body.model)
         params = body.sampling_params()
-        prompts = [self.prompts.completion(p, "prompt") for p in body.prompts()]
-        gen = await self._start("cmpl", prompts, params, "prompt")
-        return await self._respond(gen, body, request, chat=False)
+        prompts = [await self.prompts.completion_async(p, "prompt") for p in body.prompts()]
+        show_ids = body.return_token_ids or params.logprobs is not None
+        gen = await self._start("cmpl", prompts, params, "prompt", show_ids)
+        return await self._respond(gen, body, request, params.logprobs, chat=False)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_servable(body.model)
         params = body.sampling_params()
-        gen = await self._start("chatcmpl", [self.prompts.chat(body)], params, "messages")
-        return await self._respond(gen, body, request, chat=True)
+        prompt = await self.prompts.chat_async(body)
+        show_ids = body.return_token_ids or params.logprobs is not None
+        gen = await self._start("chatcmpl", [prompt], params, "messages", show_ids)
+        return await self._respond(gen, body, request, params.logprobs, chat=True)
 
-    async def _respond(self, gen: _Generation, body, request: Request, chat: bool):
+    async def _respond(self, gen: _Generation, body, request: Request, logprobs: int | None, chat: bool):
         fmt = ResponseFormat(
-            self.engine.tokenizer, self.model_name, gen.streams[0].request_id, chat, gen.logprobs, body.return_token_ids
+            self.engine.tokenizer, self.model_name, gen.streams[0].request_id, chat, logprobs, body.return_token_ids
         )
         if body.stream:
-            chunks = (fmt.chunk(d) async for d in self._deltas(gen, body.return_token_ids))
-            return sse_response(
-                chunks,
-                fmt,
-                gen.usage,
-                body.include_usage,
-                self._count_error,
-                gen.close,
-            )
+            chunks = (fmt.chunk(d) async for d in self._deltas(gen))
+            return sse_response(chunks, fmt, gen.usage, body.include_usage, self._count_error, gen.close)
         await self._collect(request, gen)
-        return fmt.body(self._final_deltas(gen), gen.usage())
+        return fmt.body(gen.finals(), gen.usage())
 
     def _count_error(self, exc: APIError) -> None:
         self.metrics.errors.labels(kind=exc.code or exc.type).inc()
 
     async def models(self) -> dict:
-        card = protocol.model_card(self.model_name, self.created, self.engine.scheduler_config.max_model_len)
+        card = protocol.model_card(self.model_name, self.created, self.engine.limits.max_model_len)
         return {"object": "list", "data": [card]}
 
     async def health(self) -> Response:
@@ -244,13 +227,26 @@ class OpenAIServer:
         }
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app of one engine. The caller starts and shuts down ``async_engine``."""
+def build_app(
+    async_engine: EngineClient,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The app of one engine. The caller starts and shuts down ``async_engine``; the app
+    attaches it to its event loop (``EngineClient.attach``) when it starts."""
     server = OpenAIServer(async_engine, served_model_name, api_key)
-    app = FastAPI(title="pdinfer", docs_url=None, redoc_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await async_engine.attach()
+        yield
+
+    app = FastAPI(title="pdinfer", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.server = server
 
     install_error_handlers(app, server.metrics.errors)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     auth = [Depends(server.authorize)]
     app.add_api_route("/v1/completions", server.completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"], dependencies=auth)
@@ -263,3 +259,12 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
         add_pd_routes(app, async_engine, dependencies=auth)
     return app
+
+
+async def _pump(i: int, stream: RequestStream, queue: asyncio.Queue) -> None:
+    try:
+        async for shown in stream:
+            queue.put_nowait((i, shown))
+        queue.put_nowait((i, _END))
+    except Exception as exc:
+        queue.put_nowait((i, exc))

@@ -3,7 +3,6 @@ P/D router (``router``). A client sees the same shapes from both.
 
 - ``check_api_key`` / ``install_error_handlers``: auth and OpenAI's error shape for 4xx;
 - ``PromptBuilder``: text -> token ids, the chat template, the context-length check;
-- ``DeltaTracker``: cumulative choice state -> what is new since the last chunk;
 - ``ResponseFormat``: the completion / chat bodies and stream chunks of one request;
 - ``sse_response``: chunks -> ``data: ...`` events, usage, an error event, ``[DONE]``;
 - ``run_unless_disconnected``: a non-streamed answer whose client goes away is cancelled;
@@ -14,22 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import functools
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdinfer.engine.output_tracker import ChoiceDelta
 from pdinfer.serving import protocol
 from pdinfer.serving.protocol import APIError, ChatCompletionRequest, bad_request
 
-_JSON_SEP = (",", ":")
+_json_encode = msgspec.json.Encoder().encode
 _DISCONNECT_POLL_S = 0.5
 
 
@@ -55,6 +57,55 @@ def install_error_handlers(app: FastAPI, errors_counter) -> None:
         return await on_api_error(request, protocol.validation_error(exc.errors()))
 
 
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is answered 413 in OpenAI's shape
+    before any handler (or JSON parser) sees it, whether it declares its length or not."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return await self.app(scope, _replay([message], receive), send)
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(send)
+            more = message.get("more_body", False)
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        return await self.app(scope, _replay([body], receive), send)
+
+    async def _refuse(self, send) -> None:
+        error = APIError(
+            413,
+            f"the request body is larger than this server's limit of {self.max_bytes} bytes",
+            code="request_too_large",
+        )
+        payload = _json_encode(error.body())
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def _replay(messages: list, receive):
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+
+    return replayed
+
+
 class PromptBuilder:
     """Engine prompts (``{"prompt"?, "prompt_token_ids"}``) from what a client sent.
 
@@ -66,19 +117,35 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.prompt_limit = prompt_limit
         self.vocab_size = vocab_size
+        # Long prompts are tokenized on a worker thread, with a copy of their own: a Rust
+        # tokenizer must not be used from two threads at once.
+        self._worker_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
 
-    def completion(self, prompt: str | list[int], param: str = "prompt") -> dict:
+    async def completion_async(self, prompt: str | list[int], param: str = "prompt") -> dict:
+        """``completion``; a long text is tokenized off the event loop."""
+        if isinstance(prompt, str) and len(prompt) > _INLINE_CHARS:
+            return await _off_loop(self.completion, prompt, param, self._worker_tokenizer)
+        return self.completion(prompt, param)
+
+    async def chat_async(self, body: ChatCompletionRequest) -> dict:
+        """``chat``; the template and the tokenizer run off the event loop for long chats."""
+        if sum(len(str(m.content or "")) for m in body.messages) > _INLINE_CHARS:
+            return await _off_loop(self.chat, body, self._worker_tokenizer)
+        return self.chat(body)
+
+    def completion(self, prompt: str | list[int], param: str = "prompt", tokenizer=None) -> dict:
+        tokenizer = tokenizer or self.tokenizer
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("the prompt is empty", param=param)
-            if self.tokenizer is None:
+            if tokenizer is None:
                 raise bad_request("this model has no tokenizer: send token ids", param=param)
-            token_ids = self.tokenizer(prompt).input_ids
+            token_ids = tokenizer(prompt).input_ids
             return self.checked({"prompt": prompt, "prompt_token_ids": token_ids}, param)
         return self.checked({"prompt_token_ids": list(prompt)}, param)
 
-    def chat(self, body: ChatCompletionRequest) -> dict:
-        tokenizer = self.tokenizer
+    def chat(self, body: ChatCompletionRequest, tokenizer=None) -> dict:
+        tokenizer = tokenizer or self.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions")
         messages = [m.as_template_input() for m in body.messages]
@@ -105,45 +172,19 @@ class PromptBuilder:
         return prompt
 
 
-@dataclass
-class Delta:
-    """What one choice gained since the last chunk."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    text_offset: int
+_INLINE_CHARS = 8192  # shorter prompts are tokenized in place: a thread hop would cost more
+_pool: ThreadPoolExecutor | None = None
 
 
-class DeltaTracker:
-    """Turns each choice's cumulative state into deltas; None when there is nothing to show yet
-    (e.g. half of a multi-byte character). With ``token_ids`` (the client asked for
-    ``return_token_ids``) every new token is something to show, text or not."""
+async def _off_loop(fn, *args):
+    """Run ``fn`` on the one tokenizing thread (one: each tokenizer copy serves one thread)."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(1, thread_name_prefix="pdinfer-tokenize")
+    return await asyncio.get_running_loop().run_in_executor(_pool, functools.partial(fn, *args))
 
-    def __init__(self, token_ids: bool = False) -> None:
-        self._seen: dict[int, tuple[int, int, bool]] = {}  # choice -> (chars, tokens, finished)
-        self._token_ids = token_ids
 
-    def update(
-        self,
-        index: int,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[dict[int, float]] | None,
-        finish_reason: str | None,
-    ) -> Delta | None:
-        num_chars, num_tokens, done = self._seen.get(index, (0, 0, False))
-        if done:
-            return None
-        new_text = text[num_chars:] if len(text) >= num_chars else ""
-        new_ids = token_ids[num_tokens:]
-        new_logprobs = logprobs[num_tokens:] if logprobs is not None else None
-        if not (new_text or finish_reason or (new_ids and (new_logprobs or self._token_ids))):
-            return None
-        self._seen[index] = (max(num_chars, len(text)), len(token_ids), finish_reason is not None)
-        return Delta(index, new_text, new_ids, new_logprobs, finish_reason, num_chars)
+Delta = ChoiceDelta  # what one output gained since the last chunk
 
 
 class ResponseFormat:
@@ -235,8 +276,8 @@ class ResponseFormat:
         return {"token_ids": list(d.token_ids)} if self.return_token_ids else {}
 
 
-def sse_event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=_JSON_SEP)}\n\n"
+def sse_event(payload: dict) -> bytes:
+    return b"data: " + _json_encode(payload) + b"\n\n"
 
 
 def sse_response(
@@ -250,20 +291,20 @@ def sse_response(
     """Stream ``chunks``; an ``APIError`` raised mid-stream travels as an error event (the
     headers are gone). ``cleanup`` runs however the stream ends (client gone included)."""
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
                 yield sse_event(chunk)
             if include_usage:
-                yield f"data: {json.dumps(fmt.usage_chunk(usage()))}\n\n"
+                yield sse_event(fmt.usage_chunk(usage()))
         except APIError as exc:
             on_error(exc)
-            yield f"data: {json.dumps(exc.body())}\n\n"
+            yield sse_event(exc.body())
         finally:
             cleanup()
             with contextlib.suppress(Exception):
                 await chunks.aclose()  # type: ignore[attr-defined]
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

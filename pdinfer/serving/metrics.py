@@ -20,8 +20,8 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:  # the router uses the buckets without the engine (and torch)
-    from pdinfer.outputs import RequestOutput
-    from pdinfer.serving.async_engine import EngineStats
+    from pdinfer.engine.core_messages import EngineStats
+    from pdinfer.engine.output_tracker import OutputTracker
 
 PREFIX = "pdinfer_"
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -108,7 +108,7 @@ class ServerMetrics(RequestLatencyMetrics):
 
 
 class RequestTimer:
-    """Latency of one engine request, fed its cumulative outputs."""
+    """Latency of one engine request, fed its tracker after each update."""
 
     def __init__(self, metrics: ServerMetrics, arrival_s: float | None = None):
         self.metrics = metrics
@@ -116,25 +116,26 @@ class RequestTimer:
         self.first_token_s: float | None = None
         self.done = False
 
-    def observe(self, output: RequestOutput) -> None:
+    def observe(self, tracker: OutputTracker) -> None:
         if self.done:
             return
         now = time.monotonic()
-        num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
-        if self.first_token_s is None and num_tokens:
+        if self.first_token_s is None and tracker.first_token_time is not None:
             self.first_token_s = now
             self.metrics.time_to_first_token.observe(now - self.arrival_s)
-        if not output.finished:
+        if not tracker.finished:
             return
         self.done = True
         m = self.metrics
-        m.prompt_tokens.inc(len(output.prompt_token_ids))
-        m.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
-        for completion in output.outputs:
-            m.requests_finished.labels(finish_reason=completion.finish_reason or "error").inc()
-        if not output.outputs:
+        choices = tracker.choices.values()
+        num_tokens = max((len(c.token_ids) for c in choices), default=0)
+        m.prompt_tokens.inc(len(tracker.prompt_token_ids))
+        m.generation_tokens.inc(sum(len(c.token_ids) for c in choices))
+        for choice in choices:
+            m.requests_finished.labels(finish_reason=choice.finish_reason or "error").inc()
+        if not choices:
             m.requests_finished.labels(finish_reason="error").inc()
-        if output.error is None:
+        if tracker.error is None:
             m.e2e_latency.observe(now - self.arrival_s)
             if self.first_token_s is not None and num_tokens > 1:
                 m.time_per_output_token.observe((now - self.first_token_s) / (num_tokens - 1))

@@ -8,7 +8,8 @@
                   4xx/5xx with an OpenAI-shaped error otherwise
 
 Sampling parameters travel as a dict of ``SamplingParams`` fields, rebuilt and validated on
-arrival; the reservation as the CE produced it.
+arrival; the reservation as the CE produced it. The CE's stream events are typed
+(``DecodeEvent``): the router decodes each once with msgspec, straight into what it relays.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import msgspec
 from pydantic import BaseModel, Field
 
 from pdinfer.engine.pd_common import Reservation
@@ -52,8 +54,36 @@ def reservation_to_dict(reservation: Reservation) -> dict[str, Any]:
     return {name: getattr(reservation, name) for name in reservation.__struct_fields__}
 
 
-def output_delta(index: int, text: str, token_ids: list[int], logprobs, finish_reason) -> dict[str, Any]:
-    entry: dict[str, Any] = {"index": index, "text": text, "token_ids": token_ids, "finish_reason": finish_reason}
-    if logprobs is not None:
-        entry["logprobs"] = [{str(k): v for k, v in d.items()} for d in logprobs]
-    return entry
+class OutputDelta(msgspec.Struct):
+    """What one output of a request gained since the CE's last event (never cumulative)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+class DecodeEvent(msgspec.Struct):
+    """One event of a CE's /pd/decode stream: the reservation first, then outputs."""
+
+    reservation: dict[str, Any] | None = None
+    outputs: list[OutputDelta] = []
+    finished: bool = False
+    error: str | None = None
+
+
+_event_encoder = msgspec.json.Encoder()
+_event_decoder = msgspec.json.Decoder(DecodeEvent)
+
+
+def encode_event(event: DecodeEvent) -> bytes:
+    return b"data: " + _event_encoder.encode(event) + b"\n\n"
+
+
+def decode_event(data: bytes | str) -> DecodeEvent:
+    """One ``data:`` payload of a CE stream; ``ValueError`` for anything else."""
+    try:
+        return _event_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"a malformed /pd/decode event: {exc}") from None

@@ -5,31 +5,30 @@ The router (``pdinfer router``) drives them; see ``pd_protocol`` for the exchang
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
+from pdinfer.engine.client import EngineClient, EngineDeadError, EngineOverloadedError
 from pdinfer.engine.completion_engine import NoRoomError
 from pdinfer.engine_type import EngineType
 from pdinfer.kv_transfer.connector import HandshakeError
-from pdinfer.serving.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from pdinfer.serving.pd_protocol import (
+    DecodeEvent,
     DecodeRequest,
+    OutputDelta,
     PrefillRequest,
-    output_delta,
+    encode_event,
     reservation_to_dict,
     sampling_from_dict,
 )
 from pdinfer.serving.protocol import APIError, bad_request
 
-_JSON_SEP = (",", ":")
-
 
 class PDEndpoints:
-    def __init__(self, engine: AsyncEngine, metrics=None):
+    def __init__(self, engine: EngineClient, metrics=None):
         self.engine = engine
         self.metrics = metrics
 
@@ -37,7 +36,7 @@ class PDEndpoints:
         try:
             params = sampling_from_dict(body.sampling)
             prompt = {"prompt_token_ids": list(body.prompt_token_ids)}
-            return await self.engine.add_request(body.request_id, prompt, params, **extra)
+            return await self.engine.add_request(body.request_id, prompt, params, show_token_ids=True, **extra)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc)) from None
         except (NoRoomError, EngineOverloadedError) as exc:
@@ -53,26 +52,16 @@ class PDEndpoints:
         stream = await self._add(body)
         reservation = stream.accepted
 
-        async def events() -> AsyncIterator[str]:
-            yield _event({"reservation": reservation_to_dict(reservation)})
-            seen: dict[int, tuple[int, int]] = {}
+        async def events() -> AsyncIterator[bytes]:
+            yield encode_event(DecodeEvent(reservation=reservation_to_dict(reservation)))
+            tracker = stream.tracker
             try:
-                async for output in stream:
-                    deltas = []
-                    for c in output.outputs:
-                        chars, tokens = seen.get(c.index, (0, 0))
-                        logprobs = c.logprobs[tokens:] if c.logprobs is not None else None
-                        deltas.append(
-                            output_delta(c.index, c.text[chars:], c.token_ids[tokens:], logprobs, c.finish_reason)
-                        )
-                        seen[c.index] = (len(c.text), len(c.token_ids))
-                    yield _event(
-                        {
-                            "outputs": deltas,
-                            "finished": output.finished,
-                            "error": output.error if output.finished else None,
-                        }
-                    )
+                async for shown in stream:
+                    deltas = [OutputDelta(d.index, d.text, d.token_ids, d.finish_reason, d.logprobs) for d in shown]
+                    finished = tracker.finished
+                    yield encode_event(DecodeEvent(None, deltas, finished, tracker.error if finished else None))
+            except EngineDeadError as exc:
+                yield encode_event(DecodeEvent(finished=True, error=str(exc)))
             finally:
                 stream.close()  # the router went away: abort (frees reserved or decoding blocks)
 
@@ -86,18 +75,18 @@ class PDEndpoints:
         except (TypeError, ValueError) as exc:
             raise bad_request(f"invalid reservation: {exc}") from None
         start = time.monotonic()
-        stream = await self._add(body, reservation=reservation)
-        first_tokens: list[int] = []
-        final = None
+        stream = await self._add(body, apply_stops=False, reservation=reservation)
         try:
-            async for output in stream:
-                if output.outputs and output.outputs[0].token_ids:
-                    first_tokens = output.outputs[0].token_ids[:1]
-                final = output
+            async for _ in stream:
+                pass
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), type="server_error", code="engine_dead") from None
         finally:
             stream.close()
-        if final is None or not final.finished or final.error:
-            error = final.error if final is not None else "no output"
+        final = stream.output()
+        first_tokens = final.outputs[0].token_ids[:1] if final.outputs else []
+        if not final.finished or final.error:
+            error = final.error or "no output"
             raise APIError(
                 504 if "lease" in (error or "") else 502,
                 f"the hand-off failed: {error}",
@@ -115,11 +104,7 @@ class PDEndpoints:
             )
 
 
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=_JSON_SEP)}\n\n"
-
-
-def add_pd_routes(app: FastAPI, engine: AsyncEngine, dependencies=None) -> PDEndpoints:
+def add_pd_routes(app: FastAPI, engine: EngineClient, dependencies=None) -> PDEndpoints:
     endpoints = PDEndpoints(engine)
     app.add_api_route("/pd/decode", endpoints.decode, methods=["POST"], dependencies=dependencies)
     app.add_api_route("/pd/prefill", endpoints.prefill, methods=["POST"], dependencies=dependencies)

@@ -29,8 +29,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdinfer.serving import protocol
 from pdinfer.serving.frontend import (
+    DEFAULT_MAX_BODY_BYTES,
+    BodyLimit,
     Delta,
-    DeltaTracker,
     PromptBuilder,
     ResponseFormat,
     check_api_key,
@@ -44,7 +45,7 @@ from pdinfer.serving.load_balancer import (
     NormalBalancer,
     PrefillBalancer,
 )
-from pdinfer.serving.pd_protocol import sampling_to_dict
+from pdinfer.serving.pd_protocol import OutputDelta, sampling_to_dict
 from pdinfer.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from pdinfer.serving.router_pd import PDDriver, PDJob
 from pdinfer.serving.router_pool import EnginePool, RouterMetrics
@@ -76,17 +77,31 @@ class RouterConfig:
 
 @dataclass
 class _Choice:
-    text: str = ""
+    """One output as relayed so far: the CE's deltas pass through as they are; the parts are
+    kept only for a whole (non-streamed) answer."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    keep: bool = False
+    texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
 
-    def extend(self, delta: dict) -> None:
-        self.text += delta["text"]
-        self.token_ids += delta["token_ids"]
-        if delta.get("logprobs") is not None:
-            self.logprobs = (self.logprobs or []) + delta["logprobs"]
-        self.finish_reason = delta.get("finish_reason") or self.finish_reason
+    def relay(self, index: int, d: OutputDelta) -> Delta:
+        delta = Delta(index, d.text, d.token_ids, d.logprobs, d.finish_reason, self.num_chars)
+        self.num_chars += len(d.text)
+        self.num_tokens += len(d.token_ids)
+        self.finish_reason = d.finish_reason or self.finish_reason
+        if self.keep:
+            self.texts.append(d.text)
+            self.token_ids += d.token_ids
+            if d.logprobs is not None:
+                self.logprobs = (self.logprobs or []) + d.logprobs
+        return delta
+
+    def final(self, index: int) -> Delta:
+        return Delta(index, "".join(self.texts), self.token_ids, self.logprobs, self.finish_reason, 0)
 
 
 @dataclass
@@ -96,16 +111,17 @@ class _Generation:
     request_id: str
     n: int
     prompt_tokens: list[int]
+    whole: bool  # a non-streamed answer: keep every choice's parts for the body
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Future] = field(default_factory=list)
     choices: dict[int, _Choice] = field(default_factory=dict)
 
     def usage(self) -> dict[str, int]:
-        completion = sum(len(c.token_ids) for c in self.choices.values())
+        completion = sum(c.num_tokens for c in self.choices.values())
         return protocol.usage(sum(self.prompt_tokens), completion)
 
     def finals(self) -> list[Delta]:
-        return [Delta(i, c.text, c.token_ids, c.logprobs, c.finish_reason, 0) for i, c in self.choices.items()]
+        return [c.final(i) for i, c in self.choices.items()]
 
     def cancel(self) -> None:
         for task in self.tasks:
@@ -149,6 +165,7 @@ class Router:
             config.engine_timeout_s,
         )
         self._background: set[asyncio.Task] = set()
+        self._prompts = PromptBuilder(tokenizer, None, vocab_size)
 
     # --- checks ----------------------------------------------------------------------------------
     async def authorize(self, request: Request) -> None:
@@ -165,19 +182,23 @@ class Router:
 
     @property
     def prompts(self) -> PromptBuilder:
-        return PromptBuilder(self.tokenizer, self.pool.max_model_len(), self.vocab_size)
+        """One builder (it keeps a tokenizer copy for its worker thread); the context limit is
+        the shortest the engines report now."""
+        self._prompts.prompt_limit = self.pool.max_model_len()
+        return self._prompts
 
     # --- endpoints -------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
         params = body.sampling_params()
-        prompts = [self.prompts.completion(p, "prompt") for p in body.prompts()]
+        prompts = [await self.prompts.completion_async(p, "prompt") for p in body.prompts()]
         return await self._serve(request, body, "cmpl", prompts, params, chat=False)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         params = body.sampling_params()
-        return await self._serve(request, body, "chatcmpl", [self.prompts.chat(body)], params, chat=True)
+        prompt = await self.prompts.chat_async(body)
+        return await self._serve(request, body, "chatcmpl", [prompt], params, chat=True)
 
     async def _serve(self, request: Request, body, prefix: str, prompts: list[dict], params, chat: bool):
         num_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
@@ -195,26 +216,28 @@ class Router:
                 type="server_error",
                 code="no_engine",
             )
-        gen = self._start(prefix, prompts, params)
+        gen = self._start(prefix, prompts, params, whole=not body.stream)
         fmt = ResponseFormat(
             self.tokenizer, self.model_name, gen.request_id, chat, params.logprobs, body.return_token_ids
         )
         if body.stream:
-            chunks = (fmt.chunk(d) async for d in self._deltas(gen, body.return_token_ids))
+            chunks = (fmt.chunk(d) async for d in self._deltas(gen))
             return sse_response(chunks, fmt, gen.usage, body.include_usage, self._count_error, gen.cancel)
         await run_unless_disconnected(request, self._drain(gen))
         return fmt.body(gen.finals(), gen.usage())
 
-    def _start(self, prefix: str, prompts: list[dict], params) -> _Generation:
-        gen = _Generation(f"{prefix}-{uuid.uuid4().hex}", params.n, [len(p["prompt_token_ids"]) for p in prompts])
+    def _start(self, prefix: str, prompts: list[dict], params, whole: bool) -> _Generation:
+        num_tokens = [len(p["prompt_token_ids"]) for p in prompts]
+        gen = _Generation(f"{prefix}-{uuid.uuid4().hex}", params.n, num_tokens, whole)
         sampling = sampling_to_dict(params)
         for i, prompt in enumerate(prompts):
             job = PDJob(i, f"{gen.request_id}-{i}", list(prompt["prompt_token_ids"]), sampling, gen.queue)
             gen.tasks.append(asyncio.ensure_future(self.driver.drive(job)))
         return gen
 
-    async def _deltas(self, gen: _Generation, token_ids: bool = False) -> AsyncIterator[Delta]:
-        tracker, remaining = DeltaTracker(token_ids), len(gen.tasks)
+    async def _deltas(self, gen: _Generation) -> AsyncIterator[Delta]:
+        """The CEs' deltas, renumbered into the request's choices (prompt-major)."""
+        remaining = len(gen.tasks)
         try:
             while remaining:
                 i, kind, payload = await gen.queue.get()
@@ -224,12 +247,13 @@ class Router:
                 if kind == "error":
                     raise payload
                 for d in payload:
-                    index = i * gen.n + d["index"]
-                    choice = gen.choices.setdefault(index, _Choice())
-                    choice.extend(d)
-                    delta = tracker.update(index, choice.text, choice.token_ids, choice.logprobs, choice.finish_reason)
-                    if delta is not None:
-                        yield delta
+                    index = i * gen.n + d.index
+                    choice = gen.choices.get(index)
+                    if choice is None:
+                        choice = gen.choices[index] = _Choice(keep=gen.whole)
+                    elif choice.finish_reason is not None:
+                        continue  # nothing follows a finish
+                    yield choice.relay(index, d)
         finally:
             gen.cancel()
 
@@ -334,10 +358,11 @@ class Router:
             await self.client.aclose()
 
 
-def build_router_app(router: Router) -> FastAPI:
+def build_router_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="pdinfer router", docs_url=None, redoc_url=None, lifespan=router.lifespan)
     app.state.router = router
     install_error_handlers(app, router.metrics.errors)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     auth = [Depends(router.authorize)]
     app.add_api_route("/v1/completions", router.completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", router.chat_completions, methods=["POST"], dependencies=auth)

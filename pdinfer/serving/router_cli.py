@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdinfer.cli_args import positive_int, served_model_name
+from pdinfer.cli_args import parse_size, positive_int, served_model_name
+from pdinfer.serving.serve_cli import DEFAULT_MAX_BODY_BYTES
 
 
 def add_router_parser(subparsers) -> None:
@@ -80,6 +81,12 @@ def add_router_parser(subparsers) -> None:
         "--engine-timeout-s", type=float, default=600.0, help="read timeout of the router's calls to an engine"
     )
     p.add_argument("--health-interval-s", type=float, default=1.0)
+    p.add_argument(
+        "--max-body-bytes",
+        type=parse_size,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are answered 413 (default 8MiB)",
+    )
     p.set_defaults(func=run_router)
 
 
@@ -109,7 +116,7 @@ def run_router(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(folder, args.tokenizer)
     name = args.served_model_name or served_model_name(args.model)
     router = Router(config, name, tokenizer, hf_config.get("vocab_size"), hf_config.get("max_position_embeddings"))
-    app = build_router_app(router)
+    app = build_router_app(router, args.max_body_bytes)
     server = http_server(app, args.host, args.port)
     print(
         f"pdinfer router: {name} on http://{args.host}:{args.port} ({len(config.prefill_urls)} "

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pdinfer.serving.load_balancer import Assignment, DecodeBalancer, Engine, PrefillBalancer
+from pdinfer.serving.pd_protocol import DecodeEvent, OutputDelta, decode_event
 from pdinfer.serving.protocol import APIError
 from pdinfer.serving.router_pool import EnginePool, RouterMetrics
 
@@ -40,7 +41,7 @@ class Retry(Exception):
 @dataclass
 class PDJob:
     """One prompt of a client request. The driver puts ``(index, kind, payload)`` on ``queue``:
-    ("outputs", [CE deltas]), ("done", None) or ("error", APIError)."""
+    ("outputs", [OutputDelta]), ("done", None) or ("error", APIError)."""
 
     index: int
     request_id: str
@@ -53,9 +54,9 @@ class PDJob:
     first_token_s: float | None = None
     num_tokens: int = 0  # the longest choice so far
 
-    def deliver(self, outputs: list[dict]) -> None:
+    def deliver(self, outputs: list[OutputDelta]) -> None:
         self.queue.put_nowait((self.index, "outputs", outputs))
-        if any(d["token_ids"] for d in outputs):
+        if any(d.token_ids for d in outputs):
             self.streamed = True
 
 
@@ -203,8 +204,11 @@ class PDDriver:
         try:
             async for line in lines:
                 if line.startswith("data: "):
-                    return response, lines, json.loads(line[6:])["reservation"]
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+                    reservation = decode_event(line[6:]).reservation
+                    if reservation is None:
+                        raise ValueError("the first event carries no reservation")
+                    return response, lines, reservation
+        except (httpx.HTTPError, ValueError) as exc:
             logger.warning("router: no reservation from %s: %r", ce.url, exc)
         await response.aclose()
         self.pool.eject(ce, "its /pd/decode stream broke before the reservation")
@@ -215,7 +219,7 @@ class PDDriver:
         try:
             async for line in lines:
                 if line.startswith("data: "):
-                    events.put_nowait(("event", json.loads(line[6:])))
+                    events.put_nowait(("event", decode_event(line[6:])))
             events.put_nowait(("ce_failed", "its stream ended before the request finished"))
         except (httpx.HTTPError, ValueError) as exc:
             events.put_nowait(("ce_failed", f"its stream broke ({type(exc).__name__})"))
@@ -271,14 +275,11 @@ class PDDriver:
             if self._on_event(job, decode, item):
                 return
 
-    def _on_event(self, job: PDJob, decode: Assignment, event: dict) -> bool:
+    def _on_event(self, job: PDJob, decode: Assignment, event: DecodeEvent) -> bool:
         """Relay one CE event; True once the request finished."""
-        outputs = event.get("outputs") or []
-        for delta in outputs:
-            if delta.get("logprobs") is not None:
-                delta["logprobs"] = [{int(k): v for k, v in d.items()} for d in delta["logprobs"]]
-        num_new = sum(len(d["token_ids"]) for d in outputs)
-        error = event.get("error") if event.get("finished") else None
+        outputs = event.outputs
+        num_new = sum(len(d.token_ids) for d in outputs)
+        error = event.error if event.finished else None
         if error and not job.streamed:
             raise Retry("decode_error", f"the completion engine ended the request: {error}")
         decode.add_tokens(num_new)
@@ -286,11 +287,11 @@ class PDDriver:
             if job.first_token_s is None:
                 job.first_token_s = time.monotonic()
                 self.metrics.time_to_first_token.observe(job.first_token_s - job.arrival_s)
-            job.num_tokens += max(len(d["token_ids"]) for d in outputs)
+            job.num_tokens += max(len(d.token_ids) for d in outputs)
         if outputs:
             job.deliver(outputs)
         if error:
             raise APIError(
                 503, f"the engine could not finish the request: {error}", type="server_error", code="engine_error"
             )
-        return bool(event.get("finished"))
+        return event.finished

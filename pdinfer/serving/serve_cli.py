@@ -9,12 +9,14 @@ import logging
 import os
 import sys
 
-from pdinfer.cli_args import add_engine_args, engine_args_from, positive_int, served_model_name
+from pdinfer.cli_args import add_engine_args, engine_args_from, parse_size, positive_int, served_model_name
 from pdinfer.distributed.cli_args import add_dp_args
 from pdinfer.engine_type import EngineType
 from pdinfer.kv_transfer.cli_args import add_kv_transfer_args, kv_transfer_from
 
 logger = logging.getLogger("pdinfer")
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # the same as serving.frontend's (not imported: it pulls in the web stack)
 
 
 def add_serve_parser(subparsers) -> None:
@@ -38,6 +40,19 @@ def add_serve_parser(subparsers) -> None:
         "--max-waiting", type=positive_int, default=1024, help="answer 503 while this many requests wait for prefill"
     )
     p.add_argument(
+        "--api-server-count",
+        type=positive_int,
+        default=1,
+        help="API-server processes in front of the engine core (they share the port); more of them "
+        "when one cannot keep up with the JSON and SSE work of many streams",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=parse_size,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are answered 413 (default 8MiB)",
+    )
+    p.add_argument(
         "--prefill-attempt-interval",
         type=positive_int,
         default=None,
@@ -53,28 +68,8 @@ def add_serve_parser(subparsers) -> None:
     p.set_defaults(func=run_serve)
 
 
-def build_engine(args: argparse.Namespace):
-    """The engine class of the role: a PE or CE takes part in the P/D hand-off."""
-    from pdinfer.engine.llm_engine import LLMEngine
-
-    engine_args = engine_args_from(args, role=args.role)
-    if engine_args.role is EngineType.PROMPT:
-        from pdinfer.engine.prefill_engine import PrefillEngine
-
-        engine_args.kv_transfer = kv_transfer_from(args)
-        return PrefillEngine(engine_args)
-    if engine_args.role is EngineType.COMPLETION:
-        from pdinfer.engine.completion_engine import CompletionEngine
-
-        engine_args.kv_transfer = kv_transfer_from(args)
-        return CompletionEngine(engine_args)
-    return LLMEngine(engine_args)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     from pdinfer import env
-    from pdinfer.serving import AsyncEngine, build_app
-    from pdinfer.serving.frontend import http_server
 
     if args.prefill_attempt_interval is not None:
         # The scheduler config reads the env snapshot when the engine is built: set it first.
@@ -85,23 +80,71 @@ def run_serve(args: argparse.Namespace) -> int:
 
         if args.headless:
             return run_headless(args)
-        async_engine = engine = front_from_args(args, engine_args_from(args, role=args.role))
-    else:
-        engine = build_engine(args)
-        async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
-    name = args.served_model_name or served_model_name(args.model)
-    app = build_app(async_engine, name, api_key=args.api_key)
-    if async_engine.role is EngineType.COMPLETION:
-        logger.info("completion engine: K/V hand-offs arrive at %s", engine.kv_address)
-    async_engine.start()
-    server = http_server(app, args.host, args.port)
-    print(
-        f"pdinfer serve: {name} ({async_engine.role.name}) on http://{args.host}:{args.port}",
-        file=sys.stderr,
-        flush=True,
+        if args.api_server_count > 1:
+            raise SystemExit("--api-server-count > 1 serves one engine core; a DP group has its own front")
+        front = front_from_args(args, engine_args_from(args, role=args.role))
+        return _serve_in_process(args, front)
+    return _serve_core(args)
+
+
+def _serve_core(args: argparse.Namespace) -> int:
+    """The engine core in a process of its own, ``--api-server-count`` API servers in front."""
+    from pdinfer.engine.mp_client import MPEngineClient, start_engine_core
+    from pdinfer.serving.api_process import (
+        APIServerConfig,
+        listening_socket,
+        serve_on,
+        start_api_servers,
+        stop_api_servers,
     )
+    from pdinfer.serving.api_server import build_app
+
+    engine_args = engine_args_from(args, role=args.role)
+    if engine_args.role is not EngineType.NORMAL:
+        engine_args.kv_transfer = kv_transfer_from(args)
+    sock = listening_socket(args.host, args.port)  # first: a taken port fails before the model loads
+    core = start_engine_core(engine_args)
+    servers = []
     try:
-        server.run()
+        name = args.served_model_name or served_model_name(args.model)
+        client = MPEngineClient(core.address, core.ready, max_waiting=args.max_waiting)
+        cfg = APIServerConfig(
+            core.address,
+            core.ready,
+            name,
+            args.api_key,
+            args.max_waiting,
+            args.max_body_bytes,
+            sock.fileno(),
+            os.getpid(),
+            0,
+        )
+        servers = start_api_servers(cfg, args.api_server_count)
+        app = build_app(client, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+        _announce(args, name, client.role, core.ready.kv_address)
+        serve_on(app, sock)
     finally:
-        async_engine.shutdown()
+        stop_api_servers(servers)
+        core.stop()
     return 0
+
+
+def _serve_in_process(args: argparse.Namespace, engine) -> int:
+    from pdinfer.serving.api_process import listening_socket, serve_on
+    from pdinfer.serving.api_server import build_app
+
+    name = args.served_model_name or served_model_name(args.model)
+    app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    engine.start()
+    _announce(args, name, engine.role, None)
+    try:
+        serve_on(app, listening_socket(args.host, args.port))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _announce(args, name: str, role: EngineType, kv_address: str | None) -> None:
+    if kv_address is not None:
+        logger.info("completion engine: K/V hand-offs arrive at %s", kv_address)
+    print(f"pdinfer serve: {name} ({role.name}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)

@@ -1,0 +1,107 @@
+"""API-server processes: the OpenAI HTTP app over an engine core, one or several per core.
+
+``pdinfer serve`` binds the listening socket, starts the engine core and runs API server 0
+itself; with ``--api-server-count N`` it starts N - 1 more of these processes, each accepting on
+the same socket (inherited) and each a client of the same core. JSON, SSE and detokenization
+then spread over N interpreters while the core's step loop keeps one of its own.
+
+    python -m pdinfer.serving.api_process   (an ``APIServerConfig`` as JSON on stdin; the
+                                             API key stays off argv)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import msgspec
+
+from pdinfer import env
+from pdinfer.engine.core_messages import Ready
+
+logger = logging.getLogger("pdinfer")
+
+
+class APIServerConfig(msgspec.Struct):
+    core_address: str
+    ready: Ready
+    served_model_name: str
+    api_key: str | None
+    max_waiting: int | None
+    max_body_bytes: int
+    listen_fd: int
+    parent_pid: int
+    index: int  # 1 .. N-1 (0 is ``serve``'s own process)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server socket every API-server process accepts on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_on(app, sock: socket.socket) -> None:
+    """Run the app's uvicorn server on an already bound socket."""
+    from pdinfer.serving.frontend import http_server
+
+    host, port = sock.getsockname()[:2]
+    http_server(app, host, port).run(sockets=[sock])
+
+
+def start_api_servers(cfg: APIServerConfig, count: int) -> list[subprocess.Popen]:
+    """API servers 1 .. count-1 (the caller runs number 0)."""
+    procs = []
+    for index in range(1, count):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdinfer.serving.api_process"],
+            stdin=subprocess.PIPE,
+            pass_fds=(cfg.listen_fd,),
+            env=env.child_environ(),
+        )
+        assert proc.stdin is not None
+        proc.stdin.write(msgspec.json.encode(msgspec.structs.replace(cfg, index=index)))
+        proc.stdin.close()
+        procs.append(proc)
+    return procs
+
+
+def stop_api_servers(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> int:
+    cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=APIServerConfig)
+    env.set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != cfg.parent_pid:
+        return 1
+    import pdinfer  # noqa: F401  (sets up the pdinfer logger)
+    from pdinfer.engine.mp_client import MPEngineClient
+    from pdinfer.serving.api_server import build_app
+
+    for handler in logger.handlers:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s pdinfer[api{cfg.index}]: %(message)s"))
+    client = MPEngineClient(cfg.core_address, cfg.ready, max_waiting=cfg.max_waiting)
+    app = build_app(client, cfg.served_model_name, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
+    serve_on(app, socket.socket(fileno=cfg.listen_fd))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""``pdinfer serve`` runs its step loop in an engine-core process of its own (issue 23): what a
+user sees of that boundary, through a real ``serve`` process and the real ``openai`` client.
+
+- a killed engine core is noticed: the in-flight stream ends with an error event, ``/health``
+  fails, new requests get a 503 in OpenAI's shape, nothing hangs;
+- request bodies are bounded (413 in OpenAI's shape) and the server keeps serving;
+- a huge prompt is tokenized off the event loop: ``/health`` answers while it is tokenized.
+
+Greedy outputs through ``serve`` (two API-server processes in front of one core) equal ``LLM``'s
+in test_api_server.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+
+import httpx
+import openai
+import pytest
+from conftest import MODEL, PROMPTS
+from servers import Server
+
+ENGINE = ["--kv-cache-memory", "256MiB", "--max-model-len", "512"]
+
+
+def children(pid: int) -> list[tuple[int, str]]:
+    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [(int(line.split(None, 1)[0]), line.split(None, 1)[1]) for line in out.strip().splitlines()]
+
+
+def test_a_killed_engine_core_is_noticed_at_once(tmp_path):
+    server = Server(["serve", *ENGINE], tmp_path / "serve.log").start()
+    try:
+        cores = [pid for pid, args in children(server.proc.pid) if "pdinfer.engine.core" in args]
+        assert len(cores) == 1, children(server.proc.pid)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        stream = client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        received = 0
+        with pytest.raises(openai.APIError, match="engine"):
+            for _chunk in stream:
+                received += 1
+                if received == 2:  # tokens flow: now the core dies
+                    subprocess.run(["kill", "-9", str(cores[0])], check=True)
+        assert 2 <= received < 400  # the stream ended early, with the error event
+        health = httpx.get(f"{server.url}/health", timeout=30)
+        assert health.status_code == 503
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4)
+        assert refused.value.status_code == 503
+        assert refused.value.body["message"]  # OpenAI's error shape (the SDK unwraps "error")
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def small_bodies(tmp_path_factory):
+    """A serve whose body limit (1 MiB) is far below the default. One API server: the health
+    test needs its /health and its big prompt in the same process."""
+    server = Server(["serve", *ENGINE, "--max-body-bytes", "1MiB"], tmp_path_factory.mktemp("serve") / "serve.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_body_over_the_limit_is_a_413_in_openai_shape(small_bodies):
+    url = f"{small_bodies.url}/v1/completions"
+    big = {"model": MODEL, "prompt": "a" * (2 << 20), "max_tokens": 1}
+    resp = httpx.post(url, json=big, timeout=60)
+    assert resp.status_code == 413
+    error = resp.json()["error"]
+    assert error["code"] == "request_too_large" and "1048576" in error["message"]
+
+    def chunked():  # no Content-Length: the limit holds while the body is read
+        for _ in range(40):
+            yield b"x" * (64 << 10)
+
+    resp = httpx.post(url, content=chunked(), headers={"content-type": "application/json"}, timeout=60)
+    assert resp.status_code == 413
+    ok = httpx.post(url, json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(small_bodies):
+    """A prompt of ~1M characters (under the body limit) keeps the tokenizer busy; the event
+    loop that serves /health must not wait for it. Ordering, not timing: once the big body is
+    sent, /health answers three times in a row before the big request's answer arrives (a
+    blocked loop answers at most the one health check it may take before it starts
+    tokenizing; the next waits, and the big answer goes out first)."""
+    body = json.dumps({"model": MODEL, "prompt": "hello world " * 80_000, "max_tokens": 1}).encode()
+    events: list[str] = []
+    sent, done = threading.Event(), threading.Event()
+
+    def upload():
+        yield body
+        sent.set()
+
+    def post_big():
+        resp = httpx.post(
+            f"{small_bodies.url}/v1/completions",
+            content=upload(),
+            headers={"content-type": "application/json", "content-length": str(len(body))},
+            timeout=300,
+        )
+        events.append(f"big {resp.status_code}")
+        done.set()
+
+    thread = threading.Thread(target=post_big)
+    with httpx.Client(timeout=120) as health:
+        health.get(f"{small_bodies.url}/health")  # the connection, before the clock of the test
+        thread.start()
+        sent.wait(60)
+        while not done.is_set():
+            if health.get(f"{small_bodies.url}/health").status_code == 200 and not done.is_set():
+                events.append("health")
+    thread.join()
+    assert events[-1] == "big 400", events  # longer than the context: a 400, not a 500
+    assert events[:3] == ["health"] * 3, events
