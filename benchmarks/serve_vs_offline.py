@@ -12,8 +12,11 @@ token ids and exactly ``--output-len`` new tokens (greedy, ``ignore_eos``), in t
 - ``pd``: ``pdinfer launch --prefill 1 --decode 1`` (a PE and a CE on the same device).
 Each mode runs in processes of its own (the device is free again between modes). Output tok/s is
 all output tokens over the wall time from the first request to the last token; TTFT and TPOT
-(time per output token after the first) are per request, p50, offline too (there every request
-is added at once and the engine's own step loop runs them). The table gives each served mode
+(time per output token after the first) are per request, p50, offline too (there the engine's
+own step loop runs the same closed loop as the clients: C in flight, the next added when one
+ends). For the served modes, ``front CPU us/token`` is the CPU time of the HTTP processes (the
+API servers of ``serve``; the router alone in ``router`` mode) over the output tokens: what the
+HTTP path costs per token, wherever its processes run. The table gives each served mode
 as a fraction of offline at the same concurrency, and the router's as a fraction of ``serve``.
 ``--json`` writes the numbers.
 """
@@ -50,21 +53,28 @@ def make_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 # --- offline -------------------------------------------------------------------------------------
 def run_offline(engine_args: dict, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
-    """The engine's own step loop in this process, ``concurrency`` sequences at most in flight
-    (``max_num_seqs``), every request added at once: per-request TTFT and TPOT as a served
-    client would measure them, without HTTP."""
+    """The engine's own step loop in this process, closed-loop like the served clients:
+    ``concurrency`` requests in flight, the next added when one finishes. Per-request TTFT and
+    TPOT as a served client measures them, without HTTP."""
     from pdinfer import LLM, SamplingParams
 
     llm = LLM(**{**engine_args, "max_num_seqs": concurrency})
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[: min(len(prompts), concurrency)]], params, use_tqdm=False)
     engine = llm.engine
-    start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    todo = list(enumerate(prompts))[::-1]
+    start: dict[str, float] = {}
     first: dict[str, float] = {}
     end: dict[str, float] = {}
     tokens: dict[str, int] = {}
+
+    def add_next() -> None:
+        i, prompt = todo.pop()
+        start[f"r{i}"] = time.perf_counter()
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+
+    for _ in range(min(concurrency, len(todo))):
+        add_next()
     while engine.has_unfinished_requests():
         deltas = engine.step_deltas()
         now = time.perf_counter()
@@ -75,14 +85,16 @@ def run_offline(engine_args: dict, prompts: list[list[int]], output_len: int, co
                 tokens[d.request_id] = tokens.get(d.request_id, 0) + n
             if d.finished:
                 end[d.request_id] = now
-    wall = max(end.values()) - start
+                if todo:
+                    add_next()
+    wall = max(end.values()) - min(start.values())
     tpots = [(end[r] - first[r]) / (tokens[r] - 1) for r in end if tokens.get(r, 0) > 1]
     return {
         "output_tok_s": sum(tokens.values()) / wall,
         "wall_s": wall,
         "tokens": sum(tokens.values()),
         "ok": len(end),
-        "ttft_p50_s": statistics.median(first[r] - start for r in first),
+        "ttft_p50_s": statistics.median(first[r] - start[r] for r in first),
         "tpot_p50_ms": 1e3 * statistics.median(tpots) if tpots else None,
     }
 
@@ -264,9 +276,46 @@ def served(mode: str, args, concurrency: int, prompts, log_dir: Path) -> dict:
         servers.wait_healthy(url)
         model = _served_model(url)
         run_load(url, model, prompts[: min(len(prompts), concurrency)], args.output_len, concurrency, args.clients)
-        return run_load(url, model, prompts, args.output_len, concurrency, args.clients)
+        front = _front_pids(mode, servers)
+        cpu_before = sum(cpu_seconds(pid) for pid in front)
+        result = run_load(url, model, prompts, args.output_len, concurrency, args.clients)
+        if front and result.get("tokens"):
+            cpu = sum(cpu_seconds(pid) for pid in front) - cpu_before
+            result["front_cpu_us_per_token"] = 1e6 * cpu / result["tokens"]
+        return result
     finally:
         servers.stop()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (Linux /proc), 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                found.append((int(stat.parent.name), cmdline))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _front_pids(mode: str, servers: Servers) -> list[int]:
+    """The HTTP processes: serve's own and its extra API servers; the router alone."""
+    if mode == "router":
+        return [servers.procs[1].pid]
+    if mode == "serve":
+        pid = servers.procs[0].pid
+        return [pid] + [c for c, cmd in _children(pid) if "pdinfer.serving.api_process" in cmd]
+    return []
 
 
 def _served_model(url: str) -> str:
@@ -342,8 +391,11 @@ def main() -> None:
 
 
 def format_table(rows: list[dict], modes: list[str]) -> str:
-    head = "| streams | mode | output tok/s | vs offline | vs serve | TTFT p50 s | TPOT p50 ms | ok/failed |"
-    lines = [head, "|" + "---|" * 8]
+    head = (
+        "| streams | mode | output tok/s | vs offline | vs serve | TTFT p50 s | TPOT p50 ms "
+        "| front CPU us/token | ok/failed |"
+    )
+    lines = [head, "|" + "---|" * 9]
     for row in rows:
         base = row.get("offline", {}).get("output_tok_s")
         serve = row.get("serve", {}).get("output_tok_s")
@@ -351,15 +403,16 @@ def format_table(rows: list[dict], modes: list[str]) -> str:
             r = row[mode]
             tps = r.get("output_tok_s")
             if tps is None:
-                lines.append(f"| {row['concurrency']} | {mode} | failed: {r.get('error')} | | | | | |")
+                lines.append(f"| {row['concurrency']} | {mode} | failed: {r.get('error')} | | | | | | |")
                 continue
             vs_off = f"{tps / base:.0%}" if base and mode != "offline" else ""
             vs_serve = f"{tps / serve:.0%}" if serve and mode in ("router", "pd") else ""
             ttft = f"{r['ttft_p50_s']:.2f}" if r.get("ttft_p50_s") is not None else ""
             tpot = f"{r['tpot_p50_ms']:.1f}" if r.get("tpot_p50_ms") is not None else ""
+            cpu = f"{r['front_cpu_us_per_token']:.0f}" if r.get("front_cpu_us_per_token") is not None else ""
             lines.append(
                 f"| {row['concurrency']} | {mode} | {tps:,.0f} | {vs_off} | {vs_serve} | {ttft} | {tpot} "
-                f"| {r.get('ok')}/{r.get('failed', 0)} |"
+                f"| {cpu} | {r.get('ok')}/{r.get('failed', 0)} |"
             )
     return "\n".join(lines)
 
