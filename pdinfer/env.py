@@ -127,6 +127,20 @@ _declare(
     "`pdinfer launch` generates one per cluster and hands it to its engines here, out of `ps`.",
 )
 _declare(
+    "PDINFER_API_KEY",
+    str,
+    "",
+    "The API key of `pdinfer serve` or `pdinfer router` when --api-key is not given (the flag "
+    "wins): a key set here stays out of `ps`. `pdinfer launch` gives its engines a random one.",
+)
+_declare(
+    "PDINFER_ENGINE_API_KEY",
+    str,
+    "",
+    "`pdinfer router`: the key it sends (Authorization: Bearer) on every call to an engine. "
+    "`pdinfer launch` sets it to the key it gave its engines.",
+)
+_declare(
     "PDINFER_STEP_LOG",
     str,
     "",

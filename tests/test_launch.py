@@ -22,6 +22,7 @@ from pdinfer.env import child_environ
 
 ENGINE = ["--kv-cache-memory", "512MiB", "--max-model-len", "1024"]
 MODEL = "SmolLM2-135M-Instruct"
+API_KEY = "sk-launch-test"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 77}
 STARTUP_TIMEOUT_S = 600
@@ -81,7 +82,8 @@ def stop(proc: subprocess.Popen) -> None:
 def cluster(references, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("launch")
     port = free_port()
-    proc = start_launch(["--prefill", "1", "--decode", "1", "--port", str(port), *ENGINE], log_dir)
+    args = ["--prefill", "1", "--decode", "1", "--port", str(port), "--api-key", API_KEY, *ENGINE]
+    proc = start_launch(args, log_dir)
     try:
         children = wait_ready(proc, port, log_dir)
         yield {"proc": proc, "url": f"http://127.0.0.1:{port}", "children": children, "log_dir": log_dir}
@@ -91,7 +93,26 @@ def cluster(references, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster['url']}/v1", api_key="unused", max_retries=0, timeout=600)
+    return openai.OpenAI(base_url=f"{cluster['url']}/v1", api_key=API_KEY, max_retries=0, timeout=600)
+
+
+def test_the_engines_answer_only_the_router(cluster, prompt_ids):
+    """Every engine requires launch's own key on /v1 and /pd (only the router has it); the
+    router requires the user's --api-key; /health stays open."""
+    body = {"request_id": "stranger", "prompt_token_ids": prompt_ids[0], "sampling": {"max_tokens": 4}}
+    for name in ("prompt-0", "completion-0"):
+        url = cluster["children"][name]["url"]
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        for path, payload in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}), ("/pd/decode", body)):
+            for key in (None, API_KEY):  # no key, or the router's client key: both refused
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
+                answer = httpx.post(url + path, json=payload, headers=headers, timeout=30)
+                assert answer.status_code == 401, (name, path, answer.text)
+                assert answer.json()["error"]["code"] == "invalid_api_key"
+    refused = httpx.post(f"{cluster['url']}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert refused.status_code == 401
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert API_KEY not in ps  # keys travel in the environment, not on command lines
 
 
 def test_completions_equal_llm_greedy_and_seeded(client, references):
@@ -148,7 +169,7 @@ def wait_all_blocks_back(cluster, timeout_s: float = 120) -> list[dict]:
 
 
 def test_64_concurrent_streams_complete_and_disconnects_free_blocks(cluster, references):
-    aclient = openai.AsyncOpenAI(base_url=f"{cluster['url']}/v1", api_key="unused", max_retries=0, timeout=600)
+    aclient = openai.AsyncOpenAI(base_url=f"{cluster['url']}/v1", api_key=API_KEY, max_retries=0, timeout=600)
 
     async def one(i: int) -> str:
         stream = await aclient.completions.create(
@@ -166,7 +187,7 @@ def test_64_concurrent_streams_complete_and_disconnects_free_blocks(cluster, ref
     assert texts == [references["greedy8"][i % len(PROMPTS)] for i in range(64)]
     # clients that go away midway, streamed and not: every block comes back on both engines
     body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 600, "ignore_eos": True}
-    with httpx.Client(timeout=120) as http:
+    with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
         for _ in range(3):
             with http.stream("POST", f"{cluster['url']}/v1/completions", json={**body, "stream": True}) as resp:
                 assert resp.status_code == 200

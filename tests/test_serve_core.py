@@ -23,6 +23,8 @@ from conftest import MODEL, PROMPTS
 from servers import Server
 
 ENGINE = ["--kv-cache-memory", "256MiB", "--max-model-len", "512"]
+KEY = "sk-core-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def children(pid: int) -> list[tuple[int, str]]:
@@ -58,9 +60,11 @@ def test_a_killed_engine_core_is_noticed_at_once(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_bodies(tmp_path_factory):
-    """A serve whose body limit (1 MiB) is far below the default. One API server: the health
-    test needs its /health and its big prompt in the same process."""
-    server = Server(["serve", *ENGINE, "--max-body-bytes", "1MiB"], tmp_path_factory.mktemp("serve") / "serve.log")
+    """A serve whose body limit (1 MiB) is far below the default, with an API key (from the
+    environment) required on /metrics and /debug too. One API server: the health test needs
+    its /health and its big prompt in the same process."""
+    args = ["serve", *ENGINE, "--max-body-bytes", "1MiB", "--protect-metrics"]
+    server = Server(args, tmp_path_factory.mktemp("serve") / "serve.log", env={"PDINFER_API_KEY": KEY})
     server.start()
     try:
         yield server
@@ -71,7 +75,7 @@ def small_bodies(tmp_path_factory):
 def test_a_body_over_the_limit_is_a_413_in_openai_shape(small_bodies):
     url = f"{small_bodies.url}/v1/completions"
     big = {"model": MODEL, "prompt": "a" * (2 << 20), "max_tokens": 1}
-    resp = httpx.post(url, json=big, timeout=60)
+    resp = httpx.post(url, json=big, headers=AUTH, timeout=60)
     assert resp.status_code == 413
     error = resp.json()["error"]
     assert error["code"] == "request_too_large" and "1048576" in error["message"]
@@ -80,10 +84,19 @@ def test_a_body_over_the_limit_is_a_413_in_openai_shape(small_bodies):
         for _ in range(40):
             yield b"x" * (64 << 10)
 
-    resp = httpx.post(url, content=chunked(), headers={"content-type": "application/json"}, timeout=60)
+    resp = httpx.post(url, content=chunked(), headers={"content-type": "application/json", **AUTH}, timeout=60)
     assert resp.status_code == 413
-    ok = httpx.post(url, json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2}, timeout=60)
+    ok = httpx.post(url, json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2}, headers=AUTH, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_protect_metrics_requires_the_key_on_metrics_and_debug(small_bodies):
+    for path in ("/metrics", "/debug/kv"):
+        refused = httpx.get(small_bodies.url + path, timeout=30)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(small_bodies.url + path, headers=AUTH, timeout=30).status_code == 200
+    assert httpx.get(f"{small_bodies.url}/health", timeout=30).status_code == 200
+    assert httpx.post(f"{small_bodies.url}/v1/completions", json={"prompt": "hi"}, timeout=30).status_code == 401
 
 
 def test_health_answers_while_a_huge_prompt_is_tokenized(small_bodies):
@@ -104,7 +117,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(small_bodies):
         resp = httpx.post(
             f"{small_bodies.url}/v1/completions",
             content=upload(),
-            headers={"content-type": "application/json", "content-length": str(len(body))},
+            headers={"content-type": "application/json", "content-length": str(len(body)), **AUTH},
             timeout=300,
         )
         events.append(f"big {resp.status_code}")

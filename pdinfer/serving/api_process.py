@@ -33,6 +33,7 @@ class APIServerConfig(msgspec.Struct):
     api_key: str | None
     max_waiting: int | None
     max_body_bytes: int
+    protect_metrics: bool
     listen_fd: int
     parent_pid: int
     index: int  # 1 .. N-1 (0 is ``serve``'s own process)
@@ -98,7 +99,7 @@ def main() -> int:
     for handler in logger.handlers:
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s pdinfer[api{cfg.index}]: %(message)s"))
     client = MPEngineClient(cfg.core_address, cfg.ready, max_waiting=cfg.max_waiting)
-    app = build_app(client, cfg.served_model_name, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
+    app = build_app(client, cfg.served_model_name, cfg.api_key, cfg.max_body_bytes, cfg.protect_metrics)
     serve_on(app, socket.socket(fileno=cfg.listen_fd))
     return 0
 

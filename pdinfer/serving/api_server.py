@@ -232,9 +232,11 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    protect_metrics: bool = False,
 ) -> FastAPI:
     """The app of one engine. The caller starts and shuts down ``async_engine``; the app
-    attaches it to its event loop (``EngineClient.attach``) when it starts."""
+    attaches it to its event loop (``EngineClient.attach``) when it starts. ``api_key`` guards
+    /v1/* and /pd/*, and with ``protect_metrics`` /metrics and /debug/* too; /health is open."""
     server = OpenAIServer(async_engine, served_model_name, api_key)
 
     @contextlib.asynccontextmanager
@@ -252,8 +254,9 @@ def build_app(
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/health", server.health, methods=["GET"])
-    app.add_api_route("/metrics", server.render_metrics, methods=["GET"])
-    app.add_api_route("/debug/kv", server.debug_kv, methods=["GET"])
+    watch = auth if protect_metrics else None
+    app.add_api_route("/metrics", server.render_metrics, methods=["GET"], dependencies=watch)
+    app.add_api_route("/debug/kv", server.debug_kv, methods=["GET"], dependencies=watch)
     if async_engine.role is not EngineType.NORMAL:
         from pdinfer.serving.pd_server import add_pd_routes
 

@@ -10,7 +10,10 @@ after ``_STOP_GRACE_S``. A child that dies during startup stops the rest: exit 1
 
 The engines share one KV secret (``--kv-secret``, else a random one per cluster), handed to them
 in their environment (``PDINFER_KV_SECRET``), never on a command line ``ps`` shows: without it
-nobody else can shake hands with a CE's KV port.
+nobody else can shake hands with a CE's KV port. Likewise every engine requires a random
+per-cluster API key on /v1/* and /pd/* (``PDINFER_API_KEY``), which only the router is given
+(``PDINFER_ENGINE_API_KEY``): a client reaches the engines through the router, which requires
+``--api-key`` when one is given (also handed over in the environment).
 """
 
 from __future__ import annotations
@@ -137,7 +140,8 @@ def _children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
     if args.num_threads is None:  # engines on one machine share its cores
         flags += ["--num-threads", str(max(1, (os.cpu_count() or 1) // num_engines))]
     devices = engine_devices(args.device, num_engines)
-    kv_env = {"PDINFER_KV_SECRET": args.kv_secret or secrets.token_hex(32)}
+    engine_key = secrets.token_hex(32)  # the engines' API key: only the router knows it
+    kv_env = {"PDINFER_KV_SECRET": args.kv_secret or secrets.token_hex(32), "PDINFER_API_KEY": engine_key}
     children: list[Child] = []
     for role, count in (("prompt", args.prefill), ("completion", args.decode), ("normal", args.normal)):
         for i in range(count):
@@ -153,12 +157,13 @@ def _children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
         urls = [c.url for c in children if c.name.startswith(role)]
         if urls:
             router += [flag, *urls]
-    for name in ("model", "tokenizer", "api_key"):
+    for name in ("model", "tokenizer"):
         if getattr(args, name) is not None:
             router += ["--" + name.replace("_", "-"), getattr(args, name)]
     router += args.router_arg
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    children.append(Child("router", router, f"http://{host}:{args.port}", log_dir / "router.log"))
+    router_env = {"PDINFER_ENGINE_API_KEY": engine_key, "PDINFER_API_KEY": args.api_key or ""}
+    children.append(Child("router", router, f"http://{host}:{args.port}", log_dir / "router.log", env=router_env))
     return children
 
 
@@ -188,7 +193,9 @@ def _healthy(child: Child) -> bool:
             return False
         if child.name != "router":
             return True
-        engines = httpx.get(f"{child.url}/debug/engines", timeout=2).json()
+        key = child.env.get("PDINFER_API_KEY")  # the router's /debug may require it
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        engines = httpx.get(f"{child.url}/debug/engines", timeout=2, headers=headers).json()
         return all(e["healthy"] for e in engines)
     except (httpx.HTTPError, ValueError):
         return False

@@ -59,6 +59,8 @@ class RouterConfig:
     decode_urls: list[str]
     normal_urls: list[str] = field(default_factory=list)
     api_key: str | None = None
+    engine_api_key: str | None = None  # sent to the engines (``launch`` gives them one)
+    protect_metrics: bool = False
     normal_max_prompt_tokens: int = 256
     prefix_tolerance_tokens: int = 2048
     max_attempts: int = 3
@@ -71,6 +73,8 @@ class RouterConfig:
             raise ValueError("the router needs --prefill and --decode engines, or --normal ones")
         if bool(self.prefill_urls) != bool(self.decode_urls):
             raise ValueError("P/D needs both --prefill and --decode engines")
+        if self.protect_metrics and not self.api_key:
+            raise ValueError("--protect-metrics needs an API key (--api-key or PDINFER_API_KEY)")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
 
@@ -144,7 +148,10 @@ class Router:
         self.default_max_model_len = default_max_model_len
         self.created = int(time.time())
         self.metrics = RouterMetrics(model_name)
-        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        headers = {"Authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else None
+        self.client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256), headers=headers
+        )
         engines = (
             [Engine(u, "prefill") for u in config.prefill_urls]
             + [Engine(u, "decode") for u in config.decode_urls]
@@ -368,6 +375,7 @@ def build_router_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     app.add_api_route("/v1/chat/completions", router.chat_completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/models", router.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/health", router.health, methods=["GET"])
-    app.add_api_route("/metrics", router.render_metrics, methods=["GET"])
-    app.add_api_route("/debug/engines", router.debug_engines, methods=["GET"])
+    watch = auth if router.config.protect_metrics else None
+    app.add_api_route("/metrics", router.render_metrics, methods=["GET"], dependencies=watch)
+    app.add_api_route("/debug/engines", router.debug_engines, methods=["GET"], dependencies=watch)
     return app

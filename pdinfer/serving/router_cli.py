@@ -51,7 +51,17 @@ def add_router_parser(subparsers) -> None:
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer source (default: the model)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /v1/* (default: PDINFER_API_KEY, else none); "
+        "the key the router sends its engines is PDINFER_ENGINE_API_KEY",
+    )
+    p.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="require the API key on /metrics and /debug/* too (/health stays open)",
+    )
     p.add_argument(
         "--normal-max-prompt-tokens",
         type=int,
@@ -101,7 +111,9 @@ def run_router(args: argparse.Namespace) -> int:
             prefill_urls=[u.rstrip("/") for u in args.prefill],
             decode_urls=[u.rstrip("/") for u in args.decode],
             normal_urls=[u.rstrip("/") for u in args.normal],
-            api_key=args.api_key,
+            api_key=args.api_key or env.get("PDINFER_API_KEY") or None,
+            engine_api_key=env.get("PDINFER_ENGINE_API_KEY") or None,
+            protect_metrics=args.protect_metrics,
             normal_max_prompt_tokens=args.normal_max_prompt_tokens,
             prefix_tolerance_tokens=args.prefix_tolerance_tokens,
             max_attempts=args.max_attempts,

@@ -30,7 +30,16 @@ def add_serve_parser(subparsers) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /v1/* and /pd/* (default: PDINFER_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="require the API key on /metrics and /debug/* too (/health stays open)",
+    )
     p.add_argument(
         "--served-model-name",
         default=None,
@@ -75,6 +84,9 @@ def run_serve(args: argparse.Namespace) -> int:
         # The scheduler config reads the env snapshot when the engine is built: set it first.
         os.environ["PDINFER_PREFILL_ATTEMPT_INTERVAL"] = str(args.prefill_attempt_interval)
         env.rearm("PDINFER_PREFILL_ATTEMPT_INTERVAL")
+    args.api_key = args.api_key or env.get("PDINFER_API_KEY") or None
+    if args.protect_metrics and not args.api_key:
+        raise SystemExit("--protect-metrics needs an API key (--api-key or PDINFER_API_KEY)")
     if args.headless or args.data_parallel_size > 1:  # a DP group: rank processes + a front
         from pdinfer.distributed.cli_args import front_from_args, run_headless
 
@@ -115,12 +127,13 @@ def _serve_core(args: argparse.Namespace) -> int:
             args.api_key,
             args.max_waiting,
             args.max_body_bytes,
+            args.protect_metrics,
             sock.fileno(),
             os.getpid(),
             0,
         )
         servers = start_api_servers(cfg, args.api_server_count)
-        app = build_app(client, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+        app = build_app(client, name, args.api_key, args.max_body_bytes, args.protect_metrics)
         _announce(args, name, client.role, core.ready.kv_address)
         serve_on(app, sock)
     finally:
@@ -134,7 +147,7 @@ def _serve_in_process(args: argparse.Namespace, engine) -> int:
     from pdinfer.serving.api_server import build_app
 
     name = args.served_model_name or served_model_name(args.model)
-    app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    app = build_app(engine, name, args.api_key, args.max_body_bytes, args.protect_metrics)
     engine.start()
     _announce(args, name, engine.role, None)
     try:
