@@ -116,6 +116,7 @@ async def _stream_one(client, url: str, model: str, prompt: list[int], output_le
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,  # a token counts as arrived even where it has no text
     }
     start = time.perf_counter()
     first = None
@@ -131,7 +132,7 @@ async def _stream_one(client, url: str, model: str, prompt: list[int], output_le
                 return {"ok": False, "error": str(event["error"])[:200]}
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-            elif first is None and any(c.get("text") for c in event.get("choices", [])):
+            elif first is None and any(c.get("token_ids") for c in event.get("choices", [])):
                 first = time.perf_counter()
     end = time.perf_counter()
     return {"ok": True, "start": start, "end": end, "ttft": (first or end) - start, "tokens": tokens}
@@ -277,11 +278,12 @@ def served(mode: str, args, concurrency: int, prompts, log_dir: Path) -> dict:
         model = _served_model(url)
         run_load(url, model, prompts[: min(len(prompts), concurrency)], args.output_len, concurrency, args.clients)
         front = _front_pids(mode, servers)
-        cpu_before = sum(cpu_seconds(pid) for pid in front)
+        cpu_before = [cpu_seconds(pid) for pid in front]
         result = run_load(url, model, prompts, args.output_len, concurrency, args.clients)
         if front and result.get("tokens"):
-            cpu = sum(cpu_seconds(pid) for pid in front) - cpu_before
-            result["front_cpu_us_per_token"] = 1e6 * cpu / result["tokens"]
+            cpu = [cpu_seconds(pid) - before for pid, before in zip(front, cpu_before)]
+            result["front_cpu_s"] = cpu  # per HTTP process
+            result["front_cpu_us_per_token"] = 1e6 * sum(cpu) / result["tokens"]
         return result
     finally:
         servers.stop()
@@ -369,6 +371,10 @@ def main() -> None:
     p.add_argument("--offline-engine-json", default="{}", help="extra EngineArgs for offline, as JSON")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    from pdinfer.serving.serve_cli import SERVE_PREFILL_ATTEMPT_INTERVAL
+
+    # Offline runs the scheduling policy that serve runs (unless the environment sets one for both).
+    os.environ.setdefault("PDINFER_PREFILL_ATTEMPT_INTERVAL", str(SERVE_PREFILL_ATTEMPT_INTERVAL))
     modes = args.modes.split(",")
     vocab = vocab_size(args)
     log_dir = Path(tempfile.mkdtemp(prefix="serve-vs-offline-"))
