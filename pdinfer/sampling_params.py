@@ -14,6 +14,10 @@ MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_GRAMMAR_CHARS = 1 << 16  # a JSON schema (as JSON), regex or grammar; the choices together
+# vLLM's names for the constraint kinds of ``structured_outputs`` (exactly one per request).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 def _is_int(value) -> bool:
@@ -22,6 +26,13 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _token_key(key):
+    """A logit_bias key: an int, or the decimal string JSON turned it into."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
+        return int(key)
+    return key
 
 
 @dataclass
@@ -42,11 +53,18 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per output token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> added to its logit, in [-100, 100] (OpenAI's logit_bias; JSON keys may be strings)
+    logit_bias: dict[int, float] | None = None
+    # one of {"json": schema, "json_object": True, "regex": str, "choice": [str, ...],
+    # "grammar": EBNF str}: the output must match it (engine/structured.py)
+    structured_outputs: dict | None = None
     _stop_strings: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.logit_bias, dict):  # JSON object keys arrive as strings
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self.verify()
         self._stop_strings = tuple(s for s in (self.stop or []) if s)
         if self.top_k == 0:
@@ -89,6 +107,48 @@ class SamplingParams:
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             bad(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         self._verify_stops()
+        self._verify_logit_bias()
+        self._verify_structured()
+
+    def _verify_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers")
+        for token_id, value in bias.items():
+            if not _is_int(token_id) or not 0 <= token_id <= _INT32_MAX:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {token_id!r}")
+            if not _is_number(value) or not math.isfinite(value) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {token_id}")
+
+    def _verify_structured(self) -> None:
+        spec = self.structured_outputs
+        if spec is None:
+            return
+        if not isinstance(spec, dict):
+            raise ValueError(f"structured_outputs must be an object, got {spec!r}")
+        kinds = [k for k in spec if spec[k] not in (None, False)]
+        unknown = [k for k in kinds if k not in STRUCTURED_KINDS]
+        if unknown or len(kinds) != 1:
+            raise ValueError(
+                f"structured_outputs takes exactly one of {', '.join(STRUCTURED_KINDS)}, got {sorted(spec)}"
+            )
+        kind = kinds[0]
+        value = spec[kind]
+        if kind == "json" and not isinstance(value, dict | str):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        if kind == "json_object" and value is not True:
+            raise ValueError("structured_outputs.json_object must be true")
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+        if kind == "choice" and (
+            not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        size = len(value) if isinstance(value, str) else len(repr(value))
+        if size > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_outputs.{kind} is longer than {MAX_GRAMMAR_CHARS} characters")
 
     def _verify_stops(self) -> None:
         stop = self.stop or []

@@ -100,6 +100,7 @@ class LLMEngine:
         self.copy_state: dict[int, tuple[int, torch.Tensor]] | None = {}
         self.copy_state_event: Future | None = None
         self._inflight: InFlight | None = None
+        self._grammars = None  # GrammarCompiler, built at the first structured request
         self.last_step_ran = False  # whether the last step launched device work
         self._ready_outputs: list[RequestDelta] = []
         self._trackers: dict[str, OutputTracker] | None = None  # step()'s client side, once used
@@ -211,6 +212,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
+        if params.logit_bias and max(params.logit_bias) >= self.spec.vocab_size:
+            raise ValueError(f"logit_bias keys must be token ids below the vocabulary size {self.spec.vocab_size}")
+        grammar = self._grammar_compiler().grammar(params.structured_outputs) if params.structured_outputs else None
         room = self.scheduler_config.max_model_len - len(token_ids)
         max_tokens = max(1, min(params.max_tokens or room, room))
         seq = Sequence(
@@ -221,6 +225,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
         )
+        seq.grammar = grammar
         self.scheduler.admit(seq)  # refuses what the KV cache can never hold (before anything is kept)
         state = RequestState(request_id, text, token_ids, params, [seq])
         if arrival_time is not None:
@@ -360,12 +365,24 @@ class LLMEngine:
     def detokenizer(self) -> Detokenizer:
         return Detokenizer(self.tokenizer)
 
+    def _grammar_compiler(self):
+        if self._grammars is None:
+            from pdinfer.engine.structured import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
+        return self._grammars
+
     def step_deltas(self) -> list[RequestDelta]:
         """One step of the engine loop: every request's new token ids, no text."""
         if self.kv_store is not None:
             self.kv_store.load_waiting()  # stored prefixes become prefix-cache hits
         plan = self.scheduler.schedule()
         self.post_schedule(plan)
+        drained: list[RequestDelta] = []
+        if self._inflight is not None and any(seq.grammar is not None for seq in plan.scheduled_seqs):
+            # A grammar's next mask needs the token in flight: finish that step first.
+            drained = self._post_process_step(self._inflight)
+            self._inflight = None
         if not plan.prompt_run:
             to_copy = [seq for seq in plan.scheduled_seqs if self.should_copy_state(seq)]
             if to_copy:
@@ -377,7 +394,7 @@ class LLMEngine:
         inflight = self._launch(plan)
         self.last_step_ran = inflight is not None
         self.pre_sampler_sync(plan)
-        outputs, self._ready_outputs = self._ready_outputs, []
+        outputs, self._ready_outputs = self._ready_outputs + drained, []
         outputs += self.output_processor.scheduler_outputs(plan)
         if not self.zero_overhead:
             return outputs + (self._post_process_step(inflight) if inflight is not None else [])

@@ -96,6 +96,8 @@ class OutputProcessor:
             parent, replace_last_token_id=token, index=copy, seed=fork_seed(parent.seed, copy)
         )
         child.num_cached_tokens = parent.num_cached_tokens
+        if parent.grammar is not None:  # forks are made right after the prompt: a fresh matcher
+            child.grammar = parent.grammar.fresh()
         state.seqs.append(child)
         return child
 
@@ -114,7 +116,15 @@ class OutputProcessor:
         seq.cumulative_logprob += result.logprobs[index]
 
     def _after_token(self, seq: Sequence, token: int) -> None:
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            # The mask allowed it, so this is a bug, not the client's fault: end the output.
+            seq.error = f"the structured-output grammar refused token {token}"
+            seq.finish(SequenceStatus.FINISHED_ABORTED)
+            self.engine.scheduler.finish_seq(seq)
+            return
         status = self._check_stop(seq, token)
+        if status is None and seq.grammar is not None and seq.grammar.ended:
+            status = SequenceStatus.FINISHED_STOPPED  # the match is complete
         if status is not None:
             seq.finish(status)
             self.engine.scheduler.finish_seq(seq)

@@ -82,6 +82,8 @@ def _sample_spec(seq: Sequence, row: int, position: int, seed: int, pending: boo
         frequency=p.frequency_penalty,
         repetition=p.repetition_penalty,
         logprobs=p.logprobs,
+        logit_bias=p.logit_bias,
+        allowed=seq.grammar.next_mask() if seq.grammar is not None else None,
     )
     if spec.needs_penalties:
         spec.output_tokens = list(seq.output_token_ids) + ([PENDING_TOKEN] if pending else [])

@@ -22,7 +22,7 @@ from pdinfer.layers.attention.triton_paged import (
     GpuAttentionMetadata,
     decode_num_splits,
 )
-from pdinfer.worker.sampler import SamplingTensors
+from pdinfer.worker.sampler import SamplingTensors, constraint_tensors
 from pdinfer.worker.step_input import StepInput
 
 
@@ -185,7 +185,7 @@ class GpuInputBuilder:
 
     @staticmethod
     def _only_argmax(inp: StepInput) -> bool:
-        return all(s.temperature == 0 and not s.needs_penalties for s in inp.samples)
+        return all(s.temperature == 0 and not s.needs_penalties and not s.constrained for s in inp.samples)
 
     def _sampling_tensors(self, dev: list[torch.Tensor], idx: dict[str, int], inp: StepInput) -> SamplingTensors:
         samples = inp.samples
@@ -226,6 +226,8 @@ class GpuInputBuilder:
             t.repetition = _floats(dev[idx["repetition"]])
             t.output_tokens = dev[idx["output_tokens"]]
             t.prompt_tokens = dev[idx["prompt_tokens"]]
+        for name, value in constraint_tensors(samples, self.device).items():  # their own copies
+            setattr(t, name, value)
         return t
 
     @staticmethod

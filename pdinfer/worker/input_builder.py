@@ -13,7 +13,7 @@ from pdinfer.layers.attention.metadata import (
     NativeKernelInput,
     PrefillSeq,
 )
-from pdinfer.worker.sampler import SamplingTensors
+from pdinfer.worker.sampler import SamplingTensors, constraint_tensors
 from pdinfer.worker.step_input import SampleSpec, StepInput
 
 # A decode group pads its sequences to its longest; a sequence joins the current group while
@@ -148,6 +148,8 @@ def build_sampling_tensors(samples: list[SampleSpec], vocab_size: int, device: t
         t.repetition = col([s.repetition for s in samples], torch.float32)
         t.output_tokens = _padded([s.output_tokens or [] for s in samples], device)
         t.prompt_tokens = _padded([s.prompt_tokens or [] for s in samples], device)
+    for name, value in constraint_tensors(samples, device).items():
+        setattr(t, name, value)
     return t
 
 

@@ -57,6 +57,13 @@ class SamplingTensors:
     output_tokens: torch.Tensor | None = None  # [S, Lo] int64, -1 padded
     prompt_tokens: torch.Tensor | None = None  # [S, Lp] int64, -1 padded
     max_logprobs: int = -1  # -1: none requested; else top-k logprobs to return
+    # Structured outputs: rows whose next token is constrained, and their allowed-token bit sets
+    mask_rows: torch.Tensor | None = None  # [M] int64
+    masks: torch.Tensor | None = None  # [M, ceil(V / 32)] int32
+    # logit_bias entries, flattened: logits[bias_rows[i], bias_ids[i]] += bias_values[i]
+    bias_rows: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
 
 
 @dataclass
@@ -70,6 +77,7 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_logprobs >= 0 else None
+        logits = apply_constraints(logits, t)
         if t.presence is not None:
             logits = apply_penalties(logits, t)
         if t.all_greedy:
@@ -87,6 +95,37 @@ class Sampler:
                 k = min(t.max_logprobs, raw_logprobs.shape[-1])
                 out.top_logprobs, out.top_ids = raw_logprobs.topk(k, dim=-1)
         return out
+
+
+def apply_constraints(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """logit_bias, then the structured-output masks (a masked token stays out whatever its
+    bias). Log-probs are reported from the logits before both, as OpenAI and vLLM do."""
+    if t.bias_rows is not None:
+        assert t.bias_ids is not None and t.bias_values is not None
+        logits = logits.index_put((t.bias_rows, t.bias_ids), t.bias_values.to(logits.dtype), accumulate=True)
+    if t.masks is not None:
+        from pdinfer.engine.structured import apply_token_bitmask
+
+        assert t.mask_rows is not None
+        logits = apply_token_bitmask(logits, t.mask_rows, t.masks)
+    return logits
+
+
+def constraint_tensors(samples, device: torch.device) -> dict[str, torch.Tensor]:
+    """The ``SamplingTensors`` fields of logit_bias and structured-output masks (none if no row
+    has either)."""
+    out: dict[str, torch.Tensor] = {}
+    masked = [(i, s.allowed) for i, s in enumerate(samples) if s.allowed is not None]
+    if masked:
+        out["mask_rows"] = torch.tensor([i for i, _ in masked], dtype=torch.int64, device=device)
+        out["masks"] = torch.stack([m for _, m in masked]).to(device)
+    biased = [(i, tid, v) for i, s in enumerate(samples) if s.logit_bias for tid, v in s.logit_bias.items()]
+    if biased:
+        rows, ids, values = zip(*biased)
+        out["bias_rows"] = torch.tensor(rows, dtype=torch.int64, device=device)
+        out["bias_ids"] = torch.tensor(ids, dtype=torch.int64, device=device)
+        out["bias_values"] = torch.tensor(values, dtype=torch.float32, device=device)
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

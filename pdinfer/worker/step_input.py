@@ -7,6 +7,7 @@ sequences, so it never reads a ``Sequence``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -26,10 +27,17 @@ class SampleSpec:
     output_tokens: list[int] | None = None  # for penalties; -2 marks the pending token
     prompt_tokens: list[int] | None = None
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed: Any = None  # structured outputs: the allowed tokens, int32 words of 32 bits (a tensor)
 
     @property
     def needs_penalties(self) -> bool:
         return self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
+
+    @property
+    def constrained(self) -> bool:
+        """A logit bias or a grammar mask changes this row's logits."""
+        return bool(self.logit_bias) or self.allowed is not None
 
 
 @dataclass

@@ -1,0 +1,139 @@
+"""Structured outputs and logit_bias in the engine (issue 25), on the default model.
+
+References: ``jsonschema`` validates every JSON output, ``re.fullmatch`` every regex output;
+transformers' logits give the token a -100 bias must fall back to. Sampled requests (n = 2,
+temperature 0.8) run with zero-overhead scheduling on, the default, and through a PE -> CE
+hand-off in one process (``PDPair``), where the PE samples the first token under the grammar
+and the CE continues it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from conftest import assert_blocks_back, make_llm
+
+from pdinfer import SamplingParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+PROMPTS = ["Give me a person as JSON:", "A user record:", "Describe a cat in JSON.", "{"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_llm(max_model_len=1024)
+
+
+def _sampled(**structured) -> SamplingParams:
+    return SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=120, structured_outputs=structured)
+
+
+def test_every_json_schema_output_parses_and_validates(llm):
+    assert llm.engine.zero_overhead  # the mask waits for the token in flight, nothing else does
+    outs = llm.generate(PROMPTS, _sampled(json=SCHEMA), use_tqdm=False)
+    for out in outs:
+        assert len(out.outputs) == 2
+        for choice in out.outputs:
+            assert choice.finish_reason == "stop", choice.text
+            jsonschema.validate(json.loads(choice.text), SCHEMA)
+    assert_blocks_back(llm.engine)
+
+
+def test_json_object_regex_choice_and_grammar(llm):
+    # Any object: nothing bounds its length, so an output may run to max_tokens; every one that
+    # ended by itself is an object.
+    outs = llm.generate(PROMPTS, _sampled(json_object=True), use_tqdm=False)
+    ended = [c.text for o in outs for c in o.outputs if c.finish_reason == "stop"]
+    assert ended and all(isinstance(json.loads(text), dict) for text in ended)
+    pattern = r"[A-Z][a-z]{2,6}-\d{3}"
+    outs = llm.generate(PROMPTS[:2], _sampled(regex=pattern), use_tqdm=False)
+    assert all(re.fullmatch(pattern, c.text) for o in outs for c in o.outputs), outs
+    choices = ["red", "green", "blue (dark)"]
+    outs = llm.generate(["Pick a color:", "Sky?"], _sampled(choice=choices), use_tqdm=False)
+    assert all(c.text in choices for o in outs for c in o.outputs)
+    grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    outs = llm.generate(["Will it rain?"], _sampled(grammar=grammar), use_tqdm=False)
+    assert all(re.fullmatch(r"yes|no|maybe [0-9]", c.text) for o in outs for c in o.outputs)
+    assert_blocks_back(llm.engine)
+
+
+@pytest.mark.parametrize(
+    "spec, problem",
+    [
+        ({"json": {"type": "nonsense"}}, "nonsense"),
+        ({"regex": "(abc"}, "parenthesis"),
+        ({"grammar": "root ::= foo"}, "foo"),
+        ({"json": {}, "regex": "a"}, "exactly one"),
+    ],
+)
+def test_an_invalid_spec_is_refused_naming_the_problem(llm, spec, problem):
+    with pytest.raises(ValueError, match=problem):
+        llm.generate(["x"], SamplingParams(structured_outputs=spec), use_tqdm=False)
+    assert_blocks_back(llm.engine)
+
+
+def test_greedy_json_is_the_same_with_and_without_zero_overhead_scheduling(llm, monkeypatch):
+    params = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs={"json": SCHEMA})
+    overlapped = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    monkeypatch.setenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", "0")
+    plain = make_llm(max_model_len=1024)
+    assert not plain.engine.zero_overhead
+    assert [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)] == overlapped
+
+
+def test_a_minus_100_logit_bias_gives_the_runner_up(llm, hf_model, tokenizer):
+    """transformers' logits of the prompt: with the top token biased away, greedy takes the
+    second; +100 on a token makes it the greedy choice."""
+    prompt = "The capital of France is"
+    ids = tokenizer(prompt).input_ids
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0, -1]
+    first, second = logits.topk(2).indices.tolist()
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == [first]
+    away = greedy.clone(logit_bias={str(first): -100})  # JSON keys are strings
+    assert llm.generate([prompt], away, use_tqdm=False)[0].outputs[0].token_ids == [second]
+    unlikely = int(logits.argmin())
+    toward = greedy.clone(logit_bias={unlikely: 100})
+    assert llm.generate([prompt], toward, use_tqdm=False)[0].outputs[0].token_ids == [unlikely]
+
+
+@pytest.mark.parametrize("bias", [{"abc": 1}, {5: 100.5}, {10**9: 1}, {1: float("nan")}])
+def test_a_bad_logit_bias_is_refused(llm, bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(["x"], SamplingParams(logit_bias=bias), use_tqdm=False)
+
+
+def test_through_a_pe_to_ce_hand_off_the_output_validates():
+    from pdinfer import EngineArgs
+    from pdinfer.engine.completion_engine import CompletionEngine
+    from pdinfer.engine.pd_pair import PDPair
+    from pdinfer.engine.prefill_engine import PrefillEngine
+
+    args = dict(kv_cache_memory=640 << 20, max_model_len=1024, kv_transfer={"connector": "tcp"})
+    pe = PrefillEngine(EngineArgs(engine_type="prompt", **args))
+    ce = CompletionEngine(EngineArgs(engine_type="completion", **args))
+    try:
+        outs = PDPair(pe, ce).generate(PROMPTS, _sampled(json=SCHEMA))
+        for out in outs:
+            assert len(out.outputs) == 2
+            for choice in out.outputs:
+                jsonschema.validate(json.loads(choice.text), SCHEMA)
+        for engine in (pe, ce):
+            assert engine.get_num_free_blocks() == engine.num_blocks
+    finally:
+        pe.shutdown()
+        ce.shutdown()
