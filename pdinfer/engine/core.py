@@ -241,7 +241,11 @@ def main() -> int:
 
     for handler in logger.handlers:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s pdinfer[core]: %(message)s"))
-    return run_core(cfg)
+    try:
+        return run_core(cfg)
+    except (ValueError, FileNotFoundError) as exc:  # a setting that cannot work: one line, no trace
+        print(f"pdinfer: the engine cannot start: {exc}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

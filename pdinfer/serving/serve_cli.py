@@ -113,6 +113,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _serve_core(args: argparse.Namespace) -> int:
     """The engine core in a process of its own, ``--api-server-count`` API servers in front."""
+    from pdinfer.engine.client import EngineDeadError
     from pdinfer.engine.mp_client import MPEngineClient, start_engine_core
     from pdinfer.serving.api_process import (
         APIServerConfig,
@@ -127,7 +128,11 @@ def _serve_core(args: argparse.Namespace) -> int:
     if engine_args.role is not EngineType.NORMAL:
         engine_args.kv_transfer = kv_transfer_from(args)
     sock = listening_socket(args.host, args.port)  # first: a taken port fails before the model loads
-    core = start_engine_core(engine_args)
+    try:
+        core = start_engine_core(engine_args)
+    except EngineDeadError as exc:  # its own error is printed above
+        print(f"pdinfer serve: {exc}", file=sys.stderr, flush=True)
+        return 1
     servers = []
     try:
         name = args.served_model_name or served_model_name(args.model)
