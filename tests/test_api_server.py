@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 from conftest import CHAT, MAX_MODEL_LEN, MODEL, PROMPTS
+from openai_errors import check_malformed_inputs
 from servers import Server
 
 from pdinfer import SamplingParams
@@ -202,6 +203,17 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):
     out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
     assert out.choices[0].text
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+def test_malformed_input_gets_400_in_openai_shape(server, client):
+    """Lone surrogates, NaN and infinities, seeds past int64, max_tokens past the context, bodies
+    that are not readable JSON: each a 400 naming the field (issue 24); 404 and 405 in the same
+    shape. The server keeps serving."""
+    check_malformed_inputs(server, MODEL, MAX_MODEL_LEN, headers={"Authorization": f"Bearer {API_KEY}"})
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+    assert out.choices[0].text
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+    assert wait_blocks_back(server)["free_blocks"] == kv(server)["total_blocks"]
 
 
 def test_64_concurrent_streams_complete_and_free_every_block(server, greedy_texts):

@@ -73,7 +73,7 @@ def test_overload_answers_503(async_engine):
             queued = [asyncio.ensure_future(http.post("/v1/completions", json=short, timeout=600)) for _ in range(2)]
             await until(lambda: async_engine.num_waiting() == 2)
             refused = await http.post("/v1/completions", json=long, timeout=600)
-            assert refused.json()["error"]["code"] == "overloaded"
+            assert refused.json()["error"]["code"] == "overloaded" and refused.headers["retry-after"] == "1"
             done = await asyncio.gather(first, *queued)
             return [refused.status_code] + [r.status_code for r in done]
 
@@ -103,3 +103,4 @@ def test_a_dead_loop_fails_requests_and_health(async_engine):
     assert not async_engine.is_healthy
     assert health.status_code == 503 and "injected" in health.json()["error"]
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+    assert refused.headers["retry-after"] == "1"

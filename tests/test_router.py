@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 from conftest import PROMPTS
-from servers import Server
+from openai_errors import assert_openai_error, check_malformed_inputs, post_json
+from servers import Server, free_port
 
 from pdinfer.core.block_manager import ROOT_HASH, chain_hash
 from pdinfer.serving.load_balancer import (
@@ -177,6 +178,45 @@ def test_bad_requests_get_4xx_and_the_router_keeps_serving(cluster):
     out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
     assert out.choices[0].text and out.usage.completion_tokens == 4
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_malformed_input_gets_400_in_openai_shape_from_the_router(cluster):
+    """Issue 24: lone surrogates (a 500 before: the router's tokenizer and JSON encoder refuse
+    them), NaN, seeds past int64, unreadable bodies; 404 and 405 in OpenAI's shape too."""
+    url = cluster["router"].url
+    check_malformed_inputs(url, MODEL, None)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens == 4
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the router's P/D path does not compare prompt + max_tokens with the context: router.py "
+    "must call PromptBuilder.check_room (serve does; a router with --normal relays serve's 400)",
+)
+def test_router_refuses_max_tokens_past_the_context(cluster):
+    body = {"model": MODEL, "prompt": [1] * 1000, "max_tokens": 100, "ignore_eos": True}
+    assert_openai_error(post_json(f"{cluster['router'].url}/v1/completions", body), 400)
+
+
+def test_router_without_engines_answers_503_with_retry_after(tmp_path):
+    nothing = f"http://127.0.0.1:{free_port()}"
+    router = Server(["router", "--normal", nothing], tmp_path / "router.log").start(wait=False)
+    try:
+        wait_for(lambda: _health_is_503(router.url), "the router listening")
+        resp = post_json(f"{router.url}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert assert_openai_error(resp, 503)["code"] == "no_engine" and resp.headers["retry-after"] == "1"
+    finally:
+        router.stop()
+
+
+def _health_is_503(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 503
+    except httpx.TransportError:
+        return False
 
 
 def test_pd_through_the_router_returns_llm_token_ids(cluster):

@@ -76,7 +76,8 @@ class OpenAIServer:
         self.api_key = api_key
         self.created = int(time.time())
         self.metrics = ServerMetrics(served_model_name, engine.role.name.lower())
-        self.prompts = PromptBuilder(engine.tokenizer, engine.limits.prompt_limit, engine.limits.vocab_size)
+        limits = engine.limits
+        self.prompts = PromptBuilder(engine.tokenizer, limits.prompt_limit, limits.vocab_size, limits.max_model_len)
 
     # --- checks ----------------------------------------------------------------------------------
     async def authorize(self, request: Request) -> None:
@@ -180,6 +181,7 @@ class OpenAIServer:
         self._check_servable(body.model)
         params = body.sampling_params()
         prompts = [await self.prompts.completion_async(p, "prompt") for p in body.prompts()]
+        self.prompts.check_room(prompts, params.max_tokens)
         show_ids = body.return_token_ids or params.logprobs is not None
         gen = await self._start("cmpl", prompts, params, "prompt", show_ids)
         return await self._respond(gen, body, request, params.logprobs, chat=False)
@@ -188,6 +190,7 @@ class OpenAIServer:
         self._check_servable(body.model)
         params = body.sampling_params()
         prompt = await self.prompts.chat_async(body)
+        self.prompts.check_room([prompt], params.max_tokens)
         show_ids = body.return_token_ids or params.logprobs is not None
         gen = await self._start("chatcmpl", [prompt], params, "messages", show_ids)
         return await self._respond(gen, body, request, params.logprobs, chat=True)

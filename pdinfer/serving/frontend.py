@@ -1,7 +1,7 @@
 """What every OpenAI-compatible front end shares: one engine's server (``api_server``) and the
 P/D router (``router``). A client sees the same shapes from both.
 
-- ``check_api_key`` / ``install_error_handlers``: auth and OpenAI's error shape for 4xx;
+- ``check_api_key`` / ``install_error_handlers``: auth and OpenAI's error shape for every error;
 - ``PromptBuilder``: text -> token ids, the chat template, the context-length check;
 - ``ResponseFormat``: the completion / chat bodies and stream chunks of one request;
 - ``sse_response``: chunks -> ``data: ...`` events, usage, an error event, ``[DONE]``;
@@ -26,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdinfer.engine.output_tracker import ChoiceDelta
 from pdinfer.serving import protocol
@@ -44,17 +45,47 @@ def check_api_key(request: Request, api_key: str | None) -> None:
         raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
 
+RETRY_AFTER_S = 1  # what a 503 (overloaded, no engine) asks a client to wait before it retries
+
+
 def install_error_handlers(app: FastAPI, errors_counter) -> None:
-    """``APIError`` and pydantic's validation errors answer in OpenAI's shape, counted by kind."""
+    """Every error answers in OpenAI's shape, counted by kind: ``APIError``, pydantic's validation
+    errors, the framework's own (404, 405, a body that is not UTF-8 or nests too deep) and, as a
+    500, anything unexpected. A 503 carries ``Retry-After``."""
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         errors_counter.labels(kind=exc.code or exc.type).inc()
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status_code == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return await on_api_error(request, protocol.validation_error(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        response = await on_api_error(request, _framework_error(request, exc))
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette logs the traceback after this answer.
+        error = APIError(500, "internal server error", type="server_error", code="internal_error")
+        return await on_api_error(request, error)
+
+
+def _framework_error(request: Request, exc: StarletteHTTPException) -> APIError:
+    if exc.status_code == 404:
+        message = f"no such endpoint: {request.method} {request.url.path}"
+        return APIError(404, message, code="not_found")
+    if exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+        return APIError(405, message, code="method_not_allowed")
+    if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
+        return bad_request(f"the body could not be read as JSON: {type(exc.__cause__).__name__}: {exc.__cause__}")
+    return APIError(exc.status_code, str(exc.detail))
 
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -110,13 +141,20 @@ class PromptBuilder:
     """Engine prompts (``{"prompt"?, "prompt_token_ids"}``) from what a client sent.
 
     ``prompt_limit`` None skips the length check; ``vocab_size`` None leaves the token-id range
-    check to the engine.
+    check to the engine; ``max_model_len`` None skips ``check_room``.
     """
 
-    def __init__(self, tokenizer, prompt_limit: int | None, vocab_size: int | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_limit: int | None,
+        vocab_size: int | None = None,
+        max_model_len: int | None = None,
+    ):
         self.tokenizer = tokenizer
         self.prompt_limit = prompt_limit
         self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
         # Long prompts are tokenized on a worker thread, with a copy of their own: a Rust
         # tokenizer must not be used from two threads at once.
         self._worker_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
@@ -157,6 +195,23 @@ class PromptBuilder:
             raise bad_request(f"the chat template failed on these messages: {exc}", param="messages") from None
         token_ids = tokenizer(text, add_special_tokens=False).input_ids
         return self.checked({"prompt": text, "prompt_token_ids": token_ids}, "messages")
+
+    def check_room(self, prompts: list[dict], max_tokens: int | None) -> None:
+        """A 400 when a prompt and ``max_tokens`` together exceed the context, as OpenAI and vLLM
+        answer (the engine would cut the output short). ``max_tokens`` None: up to the context."""
+        context = self.max_model_len
+        if context is None or max_tokens is None:
+            return
+        longest = max(len(p["prompt_token_ids"]) for p in prompts)
+        if longest + max_tokens > context:
+            room = context - longest
+            hint = f"lower max_tokens to {room} or less" if room > 0 else "shorten the prompt"
+            raise bad_request(
+                f"the prompt has {longest} tokens and max_tokens is {max_tokens}: more than this "
+                f"model's context of {context} tokens; {hint}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
 
     def checked(self, prompt: dict, param: str) -> dict:
         token_ids = prompt["prompt_token_ids"]

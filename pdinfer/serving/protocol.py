@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdinfer.sampling_params import SamplingParams
 
@@ -50,6 +50,8 @@ def validation_error(errors) -> APIError:
         if err.get("type") == "json_invalid":
             return bad_request(f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if not loc and err.get("type") == "missing":
+            return bad_request("the request has no body: send a JSON object")
         by_field.setdefault(loc[0] if loc else "", []).append({**err, "loc": loc})
     problems = []
     for name, errs in by_field.items():
@@ -63,6 +65,37 @@ def validation_error(errors) -> APIError:
             problems.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
     param = next(iter(by_field), None) or None
     return bad_request("; ".join(problems) or "invalid request", param=param)
+
+
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def lone_surrogate_at(body: Any) -> tuple[str, ...] | None:
+    """The path to the first string of ``body`` (parsed JSON) that holds a lone UTF-16 surrogate
+    (for a key: the path to its object), or None. JSON's ``\\ud800`` escape parses to one, and no
+    UTF-8 encoder takes it: not the tokenizer, not the router's JSON encoder."""
+    stack: list[tuple[tuple[str, ...], Any]] = [((), body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not _is_unicode(str(key)):
+                    return path
+                stack.append(((*path, str(key)), item))
+        elif isinstance(value, list) and not set(map(type, value)) <= _SCALARS:  # token ids: skip fast
+            stack.extend(((*path, str(i)), item) for i, item in enumerate(value))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class StreamOptions(BaseModel):
@@ -94,6 +127,18 @@ class _GenerationRequest(BaseModel):
     include_stop_str_in_output: bool = False  # extra
     return_token_ids: bool = False  # extra (vLLM's name): each choice also carries "token_ids"
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        path = lone_surrogate_at(data)
+        if path is not None:  # anywhere, ignored fields included: OpenAI refuses such a body too
+            where = ".".join(path)[:200] or "the body"
+            raise bad_request(
+                f"{where}: the text is not valid Unicode (a lone UTF-16 surrogate such as \\ud800)",
+                param=path[0] if path else None,
+            )
+        return data
 
     @property
     def include_usage(self) -> bool:
