@@ -30,19 +30,29 @@ def pdinfer_command() -> list[str]:
 
 
 class Server:
-    """One ``pdinfer serve`` (or other subcommand) process listening on a local port."""
+    """One ``pdinfer serve`` (or other subcommand) process listening on a local port, or with
+    ``netns`` on ``host`` in that network namespace (tests/netns.py)."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, port: int | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict | None = None,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
+    ):
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args, self.log_path = args, log_path
+        self.url = f"http://{host}:{self.port}"
+        self.args, self.log_path = args + (["--host", host] if host != "127.0.0.1" else []), log_path
+        self.prefix = ["ip", "netns", "exec", netns] if netns else []
         self.env = child_environ({"PDINFER_LOG_LEVEL": "WARNING", **(env or {})})
         self.proc: subprocess.Popen | None = None
 
     def start(self, wait: bool = True) -> Server:
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
-                pdinfer_command() + self.args + ["--port", str(self.port)],
+                self.prefix + pdinfer_command() + self.args + ["--port", str(self.port)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,

@@ -52,6 +52,7 @@ class CompletionEngine(LLMEngine):
         )
         self.connector.register_kv_cache(self.model_runner.require_cache().kv)  # before the handshake can answer
         self.connector.register(kv_layout(self))
+        self.connector.check_address(self.kv_address)  # a bad advertise_host fails at start, not per request
         self.reservations: dict[str, Sequence] = {}  # transfer id -> sequence waiting for its K/V
         # transfer id -> (blocks, deadline) of dropped reservations a PE may still write into
         self.quarantined: dict[str, tuple[list[int], float]] = {}
@@ -64,7 +65,10 @@ class CompletionEngine(LLMEngine):
 
     @property
     def kv_address(self) -> str:
-        return self.connector.address
+        """Where reservations send PEs: the connector's bind address, or ``advertise_host`` at
+        the same port when PEs reach this CE by another address (NAT, a proxy or relay)."""
+        address, host = self.connector.address, self.pd_config.advertise_host
+        return address if host is None else f"tcp://{host}:{address.rsplit(':', 1)[1]}"
 
     # --- reservations --------------------------------------------------------------------------------
     def reserve(

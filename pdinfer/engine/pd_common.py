@@ -29,6 +29,7 @@ class KVTransferConfig:
     # "cuda_ipc" (one host, device to device) or "nccl" (NCCL send/recv, gloo on CPU)
     host: str = "127.0.0.1"  # CE: where to listen
     port: int = 0  # CE: 0 picks a free port
+    advertise_host: str | None = None  # CE: the host reservations name, when PEs reach it by another (NAT, relay)
     name: str | None = None  # local connector: the address name
     secret: str | None = None  # shared secret: messages not signed with it are refused (default: $PDINFER_KV_SECRET)
     lease_s: float = DEFAULT_LEASE_S

@@ -21,9 +21,17 @@ def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
         "also across hosts); the device ones keep ZeroMQ for the control messages",
     )
     g.add_argument(
-        "--kv-host", default="127.0.0.1", help="completion engine: the address PEs push K/V to (bind address)"
+        "--kv-host",
+        default="127.0.0.1",
+        help="completion engine: the address its K/V port binds, which PEs push to (but see --kv-advertise-host)",
     )
     g.add_argument("--kv-port", type=int, default=0, help="completion engine: K/V port (0: any free)")
+    g.add_argument(
+        "--kv-advertise-host",
+        default=None,
+        help="completion engine: the host PEs are told to push K/V to when they reach this CE by "
+        "another address than --kv-host (NAT, a proxy or relay in front of it); same port",
+    )
     g.add_argument(
         "--kv-secret",
         default=None,
@@ -50,6 +58,7 @@ def kv_transfer_from(args: argparse.Namespace) -> dict:
         "connector": args.kv_connector,
         "host": args.kv_host,
         "port": args.kv_port,
+        "advertise_host": args.kv_advertise_host,
         "secret": args.kv_secret,
         "lease_s": args.kv_lease_s,
         "reservation_timeout_s": args.kv_reservation_timeout_s,

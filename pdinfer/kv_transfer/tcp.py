@@ -111,6 +111,9 @@ class TcpConnector(KVConnector):
         # Before bind: a listener copies the options into every connection it accepts.
         router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)  # a larger frame drops the peer
         router.setsockopt(zmq.RCVHWM, 64)  # messages queued per peer before TCP pushes back
+        # A PE that reconnects (a reset or flapping link) keeps its routing id, and with it its
+        # session; its new connection replaces the old one, which may linger half-open here.
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if port:
             router.bind(f"tcp://{host}:{port}")
         else:
@@ -257,6 +260,9 @@ class TcpConnector(KVConnector):
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_FRAME_BYTES)  # a CE sends nothing larger
+        # ZeroMQ reconnects by itself; a fixed id (ours alone, unguessable) keeps the CE's session
+        # for us valid across reconnects, which would otherwise refuse every later push.
+        sock.setsockopt(zmq.ROUTING_ID, b"pe-" + uuid.uuid4().hex.encode())
         try:
             sock.connect(address)
             hello = self._hello()
