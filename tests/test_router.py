@@ -191,11 +191,6 @@ def test_malformed_input_gets_400_in_openai_shape_from_the_router(cluster):
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the router's P/D path does not compare prompt + max_tokens with the context: router.py "
-    "must call PromptBuilder.check_room (serve does; a router with --normal relays serve's 400)",
-)
 def test_router_refuses_max_tokens_past_the_context(cluster):
     body = {"model": MODEL, "prompt": [1] * 1000, "max_tokens": 100, "ignore_eos": True}
     assert_openai_error(post_json(f"{cluster['router'].url}/v1/completions", body), 400)

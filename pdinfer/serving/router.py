@@ -191,7 +191,7 @@ class Router:
     def prompts(self) -> PromptBuilder:
         """One builder (it keeps a tokenizer copy for its worker thread); the context limit is
         the shortest the engines report now."""
-        self._prompts.prompt_limit = self.pool.max_model_len()
+        self._prompts.prompt_limit = self._prompts.max_model_len = self.pool.max_model_len()
         return self._prompts
 
     # --- endpoints -------------------------------------------------------------------------------
@@ -199,12 +199,14 @@ class Router:
         self._check_model(body.model)
         params = body.sampling_params()
         prompts = [await self.prompts.completion_async(p, "prompt") for p in body.prompts()]
+        self.prompts.check_room(prompts, params.max_tokens)
         return await self._serve(request, body, "cmpl", prompts, params, chat=False)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         params = body.sampling_params()
         prompt = await self.prompts.chat_async(body)
+        self.prompts.check_room([prompt], params.max_tokens)
         return await self._serve(request, body, "chatcmpl", [prompt], params, chat=True)
 
     async def _serve(self, request: Request, body, prefix: str, prompts: list[dict], params, chat: bool):
@@ -280,8 +282,11 @@ class Router:
             upstream = self.client.build_request(
                 "POST", engine.url + path, json=payload, timeout=httpx.Timeout(self.config.engine_timeout_s, connect=5)
             )
-            try:
-                resp = await self.client.send(upstream, stream=True)
+            try:  # a client that leaves while the engine works on a whole answer cancels it
+                resp = await run_unless_disconnected(request, self.client.send(upstream, stream=True))
+            except APIError:  # the client left: the engine's request was cancelled with it
+                assignment.release()
+                raise
             except httpx.HTTPError as exc:
                 assignment.release()
                 self.pool.eject(engine, f"{path} failed ({type(exc).__name__})")
