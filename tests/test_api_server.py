@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from conftest import CHAT, MAX_MODEL_LEN, MODEL, PROMPTS
@@ -118,6 +120,62 @@ def test_chat_stream_joins_to_the_non_stream_text(client, greedy_texts):
     assert "".join(c.choices[0].delta.content or "" for c in with_choices) == greedy_texts["chat"]
     assert with_choices[-1].choices[0].finish_reason == full.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_validates_whole_and_streamed(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    messages = [{"role": "user", "content": "Invent a person."}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, response_format=fmt, max_tokens=80, seed=5)
+    jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, response_format=fmt, max_tokens=80, seed=6, temperature=0.9, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), PERSON)
+    choice = client.completions.create(
+        model=MODEL, prompt="Color:", max_tokens=8, extra_body={"structured_outputs": {"choice": ["red", "blue"]}}
+    )
+    assert choice.choices[0].text in ("red", "blue")
+
+
+def test_logit_bias_equals_llm_with_the_same_bias(client, reference_llm):
+    first = reference_llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    banned = first[0].outputs[0].token_ids[0]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logit_bias={banned: -100})
+    want = reference_llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].text
+    got = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logit_bias={str(banned): -100}
+    )
+    assert got.choices[0].text == want
+
+
+@pytest.mark.parametrize(
+    "extra, problem",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+            "nonsense",
+        ),
+        ({"structured_outputs": {"regex": "(abc"}}, "parenthesis"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 300}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool"),
+        ({"use_beam_search": True}, "beam"),
+        ({"best_of": 3}, "best_of"),
+    ],
+)
+def test_what_would_change_the_output_and_cannot_is_a_400(client, extra, problem):
+    with pytest.raises(openai.BadRequestError, match=problem):
+        client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, extra_body=extra)
 
 
 def test_n_gives_n_choices(client):

@@ -126,7 +126,16 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool = True  # extra
     include_stop_str_in_output: bool = False  # extra
     return_token_ids: bool = False  # extra (vLLM's name): each choice also carries "token_ids"
-    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # extra (vLLM's name): json/regex/choice/grammar
+    # Accepted and refused unless they change nothing: silently ignoring them would answer
+    # something else than what was asked.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    use_beam_search: bool = False  # extra (vLLM)
+    user: str | None = None  # accepted without effect
 
     @model_validator(mode="before")
     @classmethod
@@ -139,6 +148,30 @@ class _GenerationRequest(BaseModel):
                 param=path[0] if path else None,
             )
         return data
+
+    def _structured(self) -> dict[str, Any] | None:
+        """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM) as the engine's spec."""
+        if self.tools or self.functions or self.tool_choice not in (None, "none"):
+            raise bad_request("tool calling is not supported yet", param="tools", code="not_supported")
+        if self.use_beam_search:
+            raise bad_request("beam search is not supported", param="use_beam_search", code="not_supported")
+        fmt = self.response_format
+        if fmt is None or fmt.get("type") == "text":
+            return self.structured_outputs
+        if self.structured_outputs is not None:
+            raise bad_request("give response_format or structured_outputs, not both", param="response_format")
+        if fmt.get("type") == "json_object":
+            return {"json_object": True}
+        if fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema must be a JSON schema", param="response_format")
+            return {"json": schema}
+        raise bad_request(
+            f"response_format.type must be text, json_object or json_schema, got {fmt.get('type')!r}",
+            param="response_format",
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -159,6 +192,8 @@ class _GenerationRequest(BaseModel):
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": self.logit_bias,
+            "structured_outputs": self._structured(),
         }
         for name in (
             "temperature",
@@ -189,8 +224,11 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
 
     def sampling_params(self) -> SamplingParams:
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported", param="best_of", code="not_supported")
         if self.echo:
             raise bad_request("echo is not supported", param="echo")
         if self.suffix:
