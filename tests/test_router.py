@@ -214,6 +214,32 @@ def _health_is_503(url: str) -> bool:
         return False
 
 
+def test_structured_outputs_and_logit_bias_through_pe_and_ce(cluster):
+    """The PE samples the first token under the grammar, the CE continues it: the JSON validates;
+    n = 2 sampled choices both do. A bad schema is a 400 from the router."""
+    import json
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "rank": {"type": "integer"}},
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    client = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "Name a city and its rank."}]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, response_format=fmt, max_tokens=60, n=2, temperature=0.8, seed=3
+    )
+    for choice in out.choices:
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError, match="nonsense"):
+        client.chat.completions.create(model=MODEL, messages=messages, response_format=bad, max_tokens=4)
+
+
 def test_pd_through_the_router_returns_llm_token_ids(cluster):
     """A token-id prompt through PE -> CE behind the router: with ``return_token_ids`` the answer
     lists NORMAL's greedy tokens (how the GPU run compares outputs without a tokenizer)."""
