@@ -47,14 +47,28 @@ def kv(server) -> dict:
     return httpx.get(f"{server}/debug/kv", timeout=10).json()
 
 
-def wait_blocks_back(server, timeout_s: float = 120) -> dict:
-    """Poll /debug/kv until every KV block is free again (an abort lands between steps)."""
+def wait_blocks_back(server, timeout_s: float = 120, num_aborted: int | None = None) -> dict:
+    """Poll /debug/kv until every KV block is free again (an abort lands between steps), and
+    with ``num_aborted`` until the engine has counted that many aborts. With two API servers
+    /debug/kv answers from either, each with the core's counters as of its last message from
+    the core (at most one heartbeat, 0.1 s, old): poll, never read once."""
     deadline = time.monotonic() + timeout_s
     while True:
         state = kv(server)
-        if state["free_blocks"] == state["total_blocks"] or time.monotonic() > deadline:
+        done = state["free_blocks"] == state["total_blocks"]
+        if num_aborted is not None:
+            done = done and state["num_aborted"] >= num_aborted
+        if done or time.monotonic() > deadline:
             return state
         time.sleep(0.2)
+
+
+def wait_running(server, timeout_s: float = 60) -> None:
+    """Poll until the engine holds KV blocks for a request."""
+    deadline = time.monotonic() + timeout_s
+    while kv(server)["free_blocks"] == kv(server)["total_blocks"]:
+        assert time.monotonic() < deadline, "the request never ran"
+        time.sleep(0.05)
 
 
 def test_models_lists_the_served_model(client):
@@ -297,6 +311,7 @@ def test_64_concurrent_streams_complete_and_free_every_block(server, greedy_text
 
 
 def test_client_disconnect_mid_stream_frees_blocks(server):
+    time.sleep(0.3)  # longer than a heartbeat: both API servers have the core's latest counters
     num_aborted = wait_blocks_back(server)["num_aborted"]
     body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True, "stream": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -308,9 +323,9 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
                 events += line.startswith("data: ")
                 if events == 2:
                     # Checked while the stream is open: leaving iter_lines() closes the connection.
-                    assert kv(server)["free_blocks"] < kv(server)["total_blocks"]  # it is running
+                    wait_running(server)
                     break
-    state = wait_blocks_back(server)
+    state = wait_blocks_back(server, num_aborted=num_aborted + 1)
     assert state["free_blocks"] == state["total_blocks"]
     # Left alone, the request would run to max_tokens and free its blocks too: the engine must
     # have aborted it.
@@ -318,6 +333,7 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
 
 
 def test_client_disconnect_without_stream_frees_blocks(server):
+    time.sleep(0.3)  # longer than a heartbeat: both API servers have the core's latest counters
     num_aborted = wait_blocks_back(server)["num_aborted"]
     body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True}
 
@@ -338,7 +354,7 @@ def test_client_disconnect_without_stream_frees_blocks(server):
                 await post
 
     asyncio.run(post_and_leave())
-    state = wait_blocks_back(server)
+    state = wait_blocks_back(server, num_aborted=num_aborted + 1)
     assert state["free_blocks"] == state["total_blocks"]
     assert state["num_aborted"] == num_aborted + 1  # aborted, not run to max_tokens
 
