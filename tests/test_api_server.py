@@ -74,6 +74,13 @@ def wait_running(server, timeout_s: float = 60) -> None:
 def test_models_lists_the_served_model(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
+    card = client.models.retrieve(MODEL)  # GET /v1/models/{id}
+    assert card.id == MODEL and card.model_dump()["root"] == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no-such-model")
+    from pdinfer import __version__
+
+    assert httpx.get(f"{client.base_url}".replace("/v1/", "/version"), timeout=10).json() == {"version": __version__}
 
 
 def test_completions_greedy_equal_llm(client, greedy_texts):

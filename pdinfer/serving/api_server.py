@@ -212,6 +212,9 @@ class OpenAIServer:
         card = protocol.model_card(self.model_name, self.created, self.engine.limits.max_model_len)
         return {"object": "list", "data": [card]}
 
+    async def model(self, model_id: str) -> dict:
+        return protocol.one_model((await self.models())["data"], model_id)
+
     async def health(self) -> Response:
         if self.engine.is_healthy:
             return JSONResponse({"status": "ok", "role": self.engine.role.name.lower()})
@@ -256,6 +259,8 @@ def build_app(
     app.add_api_route("/v1/completions", server.completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
+    app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"], dependencies=auth)
+    app.add_api_route("/version", protocol.version, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     watch = auth if protect_metrics else None
     app.add_api_route("/metrics", server.render_metrics, methods=["GET"], dependencies=watch)

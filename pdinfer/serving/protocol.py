@@ -302,9 +302,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def model_card(name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
-    """``max_model_len`` None: not known yet (a router before any engine reported it)."""
-    return {"id": name, "object": "model", "created": created, "owned_by": "pdinfer", "max_model_len": max_model_len}
+def model_card(name: str, created: int, max_model_len: int | None, root: str | None = None) -> dict[str, Any]:
+    """``max_model_len`` None: not known yet (a router before any engine reported it); ``root``:
+    the model it was loaded from (vLLM's field), the served name by default."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "pdinfer",
+        "root": root or name,
+        "parent": None,
+        "max_model_len": max_model_len,
+    }
+
+
+def one_model(cards: list[dict[str, Any]], model_id: str) -> dict[str, Any]:
+    """``GET /v1/models/{id}``: the card, or a 404 in OpenAI's shape."""
+    for card in cards:
+        if card["id"] == model_id:
+            return card
+    raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+
+
+def version() -> dict[str, str]:
+    from pdinfer import __version__
+
+    return {"version": __version__}
 
 
 def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:

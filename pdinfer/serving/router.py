@@ -334,6 +334,9 @@ class Router:
         max_len = self.pool.max_model_len() or self.default_max_model_len
         return {"object": "list", "data": [protocol.model_card(self.model_name, self.created, max_len)]}
 
+    async def model(self, model_id: str) -> dict:
+        return protocol.one_model((await self.models())["data"], model_id)
+
     async def health(self) -> JSONResponse:
         counts = {role: len(self.pool.healthy(role)) for role in ("prefill", "decode", "normal")}
         ok = self.pool.pd_servable or counts["normal"] > 0
@@ -379,6 +382,8 @@ def build_router_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     app.add_api_route("/v1/completions", router.completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", router.chat_completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/models", router.models, methods=["GET"], dependencies=auth)
+    app.add_api_route("/v1/models/{model_id:path}", router.model, methods=["GET"], dependencies=auth)
+    app.add_api_route("/version", protocol.version, methods=["GET"])
     app.add_api_route("/health", router.health, methods=["GET"])
     watch = auth if router.config.protect_metrics else None
     app.add_api_route("/metrics", router.render_metrics, methods=["GET"], dependencies=watch)
