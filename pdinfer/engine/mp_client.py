@@ -196,8 +196,7 @@ class MPEngineClient(EngineClient):
         answer = asyncio.get_running_loop().create_future()
         self._answers[request_id] = answer
         try:
-            assert self._socket is not None
-            self._socket.send(payload, flags=zmq.NOBLOCK)
+            self._send_bytes(payload)
             return await answer
         except asyncio.CancelledError:
             self.abort(request_id)
@@ -214,8 +213,11 @@ class MPEngineClient(EngineClient):
             self._send(StopSeqs(items))
 
     def _send(self, message) -> None:
+        self._send_bytes(encode(message))
+
+    def _send_bytes(self, payload: bytes) -> None:
         assert self._socket is not None
-        self._socket.send(encode(message), flags=zmq.NOBLOCK)
+        self._socket.send(payload, flags=zmq.NOBLOCK)
 
     # --- the reader and the watcher (tasks on the event loop) -------------------------------------
     async def _read(self) -> None:
