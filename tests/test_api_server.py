@@ -15,6 +15,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import tool_checks
 from conftest import CHAT, MAX_MODEL_LEN, MODEL, PROMPTS
 from openai_errors import check_malformed_inputs
 from servers import Server
@@ -165,6 +166,17 @@ def test_response_format_json_schema_validates_whole_and_streamed(client):
         model=MODEL, prompt="Color:", max_tokens=8, extra_body={"structured_outputs": {"choice": ["red", "blue"]}}
     )
     assert choice.choices[0].text in ("red", "blue")
+
+
+def test_tool_calls_named_required_auto_and_bad(client, server):
+    tool_checks.check_forced_choices(client)
+    tool_checks.check_auto_reads_the_calls_the_model_writes(client)
+    tool_checks.check_bad_tool_requests(client)
+    assert wait_blocks_back(server)["free_blocks"] == kv(server)["total_blocks"]
+
+
+def test_langchain_bind_tools_round_trip(server):
+    tool_checks.check_langchain_round_trip(f"{server}/v1", API_KEY)
 
 
 def test_logit_bias_equals_llm_with_the_same_bias(client, reference_llm):

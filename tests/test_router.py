@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+import tool_checks
 from conftest import PROMPTS
 from openai_errors import assert_openai_error, check_malformed_inputs, post_json
 from servers import Server, free_port
@@ -238,6 +239,18 @@ def test_structured_outputs_and_logit_bias_through_pe_and_ce(cluster):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
     with pytest.raises(openai.BadRequestError, match="nonsense"):
         client.chat.completions.create(model=MODEL, messages=messages, response_format=bad, max_tokens=4)
+
+
+def test_tool_calls_through_pe_and_ce(cluster):
+    """Tool calling behind the router: the PE's first token obeys the tool grammar, the CE
+    continues it, the router reads the calls (tool_checks.py), LangChain included."""
+    client = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0, timeout=300)
+    tool_checks.check_forced_choices(client)
+    tool_checks.check_auto_reads_the_calls_the_model_writes(client)
+    tool_checks.check_bad_tool_requests(client)
+    tool_checks.check_langchain_round_trip(f"{cluster['router'].url}/v1", "unused")
+    for server in (cluster["pe"], *cluster["ces"]):
+        assert server.wait_blocks_back()["free_blocks"] == server.kv()["total_blocks"]
 
 
 def test_pd_through_the_router_returns_llm_token_ids(cluster):

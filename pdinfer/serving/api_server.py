@@ -197,7 +197,14 @@ class OpenAIServer:
 
     async def _respond(self, gen: _Generation, body, request: Request, logprobs: int | None, chat: bool):
         fmt = ResponseFormat(
-            self.engine.tokenizer, self.model_name, gen.streams[0].request_id, chat, logprobs, body.return_token_ids
+            self.engine.tokenizer,
+            self.model_name,
+            gen.streams[0].request_id,
+            chat,
+            logprobs,
+            body.return_token_ids,
+            body.tool_request() if chat else None,
+            self.prompts.tool_format(),
         )
         if body.stream:
             chunks = (fmt.chunk(d) async for d in self._deltas(gen))

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdinfer.engine.output_tracker import ChoiceDelta
-from pdinfer.serving import protocol
+from pdinfer.serving import protocol, tools
 from pdinfer.serving.protocol import APIError, ChatCompletionRequest, bad_request
 
 _json_encode = msgspec.json.Encoder().encode
@@ -186,15 +186,28 @@ class PromptBuilder:
         tokenizer = tokenizer or self.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions")
-        messages = [m.as_template_input() for m in body.messages]
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        messages = [m.as_template_input(tools.template_knows_tool_calls(template)) for m in body.messages]
+        extra = {}
+        request_tools = body.tool_request()
+        if request_tools is not None:
+            if tools.template_knows_tools(template):
+                extra["tools"] = request_tools.tools
+            else:  # the template would drop them: pdinfer shows them (serving/tools.py)
+                _add_system(messages, tools.hermes_system_prompt(request_tools.tools))
         try:
             text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt, **extra
             )
         except Exception as exc:  # a template raising on odd input is the input's fault
             raise bad_request(f"the chat template failed on these messages: {exc}", param="messages") from None
         token_ids = tokenizer(text, add_special_tokens=False).input_ids
         return self.checked({"prompt": text, "prompt_token_ids": token_ids}, "messages")
+
+    def tool_format(self) -> str:
+        """The tool-call format this model's chat template teaches (``serving.tools``)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return tools.template_format(template if isinstance(template, str) else None)
 
     def check_room(self, prompts: list[dict], max_tokens: int | None) -> None:
         """A 400 when a prompt and ``max_tokens`` together exceed the context, as OpenAI and vLLM
@@ -227,6 +240,14 @@ class PromptBuilder:
         return prompt
 
 
+def _add_system(messages: list[dict], text: str) -> None:
+    """``text`` at the end of the system message, or as a new first one."""
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+    else:
+        messages.insert(0, {"role": "system", "content": text})
+
+
 _INLINE_CHARS = 8192  # shorter prompts are tokenized in place: a thread hop would cost more
 _pool: ThreadPoolExecutor | None = None
 
@@ -243,7 +264,10 @@ Delta = ChoiceDelta  # what one output gained since the last chunk
 
 
 class ResponseFormat:
-    """The OpenAI shapes of one request's answer (completion or chat, whole or streamed)."""
+    """The OpenAI shapes of one request's answer (completion or chat, whole or streamed).
+
+    ``tool_request`` (chat): each choice's text is read for tool calls in ``tool_format``
+    (``serving.tools``); ``chunk`` then answers None for a piece it holds back."""
 
     def __init__(
         self,
@@ -253,11 +277,15 @@ class ResponseFormat:
         chat: bool,
         logprobs: int | None,
         return_token_ids: bool = False,
+        tool_request: tools.ToolRequest | None = None,
+        tool_format: str = tools.HERMES,
     ):
         self.tokenizer = tokenizer
         self.chat = chat
         self.num_logprobs = logprobs
         self.return_token_ids = return_token_ids  # each choice (or chunk) also lists its tokens
+        self.tool_request = tool_request
+        self.tool_format = tool_format
         self.head = {
             "id": request_id,
             "object": "chat.completion" if chat else "text_completion",
@@ -266,6 +294,7 @@ class ResponseFormat:
         }
         self.chunk_head = {**self.head, "object": "chat.completion.chunk"} if chat else self.head
         self._started: set[int] = set()  # chat choices whose first chunk (with the role) is out
+        self._parsers: dict[int, tools.ToolParser | None] = {}
 
     def logprobs(self, delta: Delta):
         if self.num_logprobs is None or delta.logprobs is None:
@@ -276,22 +305,39 @@ class ResponseFormat:
             self.tokenizer, delta.token_ids, delta.logprobs, self.num_logprobs, delta.text_offset
         )
 
-    def chunk(self, d: Delta) -> dict:
-        """One streamed chunk."""
+    def chunk(self, d: Delta) -> dict | None:
+        """One streamed chunk; None when a tool parser holds everything back."""
         if not self.chat:
             return {**self.chunk_head, "choices": [self._completion_choice(d)]}
         delta: dict = {} if d.index in self._started else {"role": "assistant"}
+        logprobs = self.logprobs(d)
+        parser = self._parser(d.index)
+        finish_reason = d.finish_reason
+        if parser is None:
+            if d.text or not d.finish_reason:
+                delta["content"] = d.text
+        else:
+            step = parser.feed(d.text)
+            if d.finish_reason:
+                last = parser.finish()
+                step.content += last.content
+                step.calls += last.calls
+                finish_reason = self._finish_reason(d.finish_reason, parser)
+            if step.content:
+                delta["content"] = step.content
+            if step.calls:
+                delta["tool_calls"] = step.calls
+            if not delta and not finish_reason and logprobs is None and not self.return_token_ids:
+                return None
         self._started.add(d.index)
-        if d.text or not d.finish_reason:
-            delta["content"] = d.text
         return {
             **self.chunk_head,
             "choices": [
                 {
                     "index": d.index,
                     "delta": delta,
-                    "logprobs": self.logprobs(d),
-                    "finish_reason": d.finish_reason,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
                     **self._ids(d),
                 }
             ],
@@ -301,22 +347,43 @@ class ResponseFormat:
         """The whole answer, from each choice's complete text (``finals``)."""
         finals = sorted(finals, key=lambda d: d.index)
         if self.chat:
-            choices = [
-                {
-                    "index": d.index,
-                    "message": {"role": "assistant", "content": d.text},
-                    "logprobs": self.logprobs(d),
-                    "finish_reason": d.finish_reason,
-                    **self._ids(d),
-                }
-                for d in finals
-            ]
+            choices = [self._chat_choice(d) for d in finals]
         else:
             choices = [self._completion_choice(d) for d in finals]
         return {**self.head, "choices": choices, "usage": usage}
 
     def usage_chunk(self, usage: dict) -> dict:
         return {**self.chunk_head, "choices": [], "usage": usage}
+
+    def _chat_choice(self, d: Delta) -> dict:
+        message: dict = {"role": "assistant", "content": d.text}
+        finish_reason = d.finish_reason
+        parser = self._parser(d.index)
+        if parser is not None:
+            message["content"], calls = tools.parse_whole(parser, d.text)
+            if calls:
+                message["tool_calls"] = calls
+            finish_reason = self._finish_reason(d.finish_reason, parser)
+        return {
+            "index": d.index,
+            "message": message,
+            "logprobs": self.logprobs(d),
+            "finish_reason": finish_reason,
+            **self._ids(d),
+        }
+
+    def _parser(self, index: int) -> tools.ToolParser | None:
+        if self.tool_request is None:
+            return None
+        if index not in self._parsers:
+            self._parsers[index] = self.tool_request.parser(self.tool_format)
+        return self._parsers[index]
+
+    def _finish_reason(self, reason: str | None, parser: tools.ToolParser) -> str | None:
+        request = self.tool_request
+        if reason == "stop" and parser.calls and request is not None and request.choice in ("auto", "required"):
+            return "tool_calls"
+        return reason
 
     def _completion_choice(self, d: Delta) -> dict:
         return {
@@ -336,7 +403,7 @@ def sse_event(payload: dict) -> bytes:
 
 
 def sse_response(
-    chunks: AsyncIterator[dict],
+    chunks: AsyncIterator[dict | None],
     fmt: ResponseFormat,
     usage: Callable[[], dict],
     include_usage: bool,
@@ -349,7 +416,8 @@ def sse_response(
     async def events() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
-                yield sse_event(chunk)
+                if chunk is not None:  # None: a tool parser holds the piece back
+                    yield sse_event(chunk)
             if include_usage:
                 yield sse_event(fmt.usage_chunk(usage()))
         except APIError as exc:

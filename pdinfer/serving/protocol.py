@@ -6,6 +6,7 @@ Fields marked "extra" are not in OpenAI's API; names follow vLLM's (``top_k``, `
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -131,9 +132,10 @@ class _GenerationRequest(BaseModel):
     structured_outputs: dict[str, Any] | None = None  # extra (vLLM's name): json/regex/choice/grammar
     # Accepted and refused unless they change nothing: silently ignoring them would answer
     # something else than what was asked.
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # chat only (serving/tools.py)
     tool_choice: Any = None
-    functions: list[Any] | None = None
+    functions: list[Any] | None = None  # OpenAI's deprecated form of tools: refused
+    function_call: Any = None
     use_beam_search: bool = False  # extra (vLLM)
     user: str | None = None  # accepted without effect
 
@@ -151,8 +153,12 @@ class _GenerationRequest(BaseModel):
 
     def _structured(self) -> dict[str, Any] | None:
         """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM) as the engine's spec."""
-        if self.tools or self.functions or self.tool_choice not in (None, "none"):
-            raise bad_request("tool calling is not supported yet", param="tools", code="not_supported")
+        if self.functions or self.function_call is not None:
+            raise bad_request(
+                "functions and function_call are not supported: use tools and tool_choice",
+                param="functions" if self.functions else "function_call",
+                code="not_supported",
+            )
         if self.use_beam_search:
             raise bad_request("beam search is not supported", param="use_beam_search", code="not_supported")
         fmt = self.response_format
@@ -227,6 +233,8 @@ class CompletionRequest(_GenerationRequest):
     best_of: int | None = None
 
     def sampling_params(self) -> SamplingParams:
+        if self.tools or self.tool_choice is not None:
+            raise bad_request("tools are only available on /v1/chat/completions", param="tools")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", param="best_of", code="not_supported")
         if self.echo:
@@ -260,17 +268,54 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
-    def as_template_input(self) -> dict[str, Any]:
+    def as_template_input(self, template_knows_tool_calls: bool = True) -> dict[str, Any]:
+        """The message as chat templates take it: text content; earlier calls with their
+        arguments as objects (templates write them with ``tojson``), or, for a template that
+        ignores calls, written into the content in the Hermes format."""
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" for part in content):
                 raise bad_request("only text content parts are supported", param="messages")
             content = "".join(part.text or "" for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = [_template_call(call) for call in self.tool_calls]
+            if template_knows_tool_calls:
+                message["tool_calls"] = calls
+            else:
+                from pdinfer.serving.tools import hermes_call_text
+
+                message["content"] = "\n".join(filter(None, [message["content"], hermes_call_text(calls)]))
         return message
+
+
+def _template_call(call: Any) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(
+            'messages: a tool call must be {"id", "type": "function", "function": {"name", "arguments"}}',
+            param="messages",
+        )
+    arguments = fn.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise bad_request(
+                f"messages: the arguments of the call to {fn['name']!r} are not JSON", param="messages"
+            ) from None
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": fn["name"], "arguments": arguments if arguments is not None else {}},
+    }
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -279,6 +324,26 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # extra
+    parallel_tool_calls: bool | None = None
+
+    def tool_request(self):
+        """The checked tool fields (``serving.tools.ToolRequest``), or None without tools."""
+        from pdinfer.serving.tools import ToolRequest
+
+        return ToolRequest.from_body(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def _structured(self) -> dict[str, Any] | None:
+        spec = super()._structured()
+        tools = self.tool_request()
+        if tools is None or not tools.forced:
+            return spec
+        if spec is not None:
+            raise bad_request(
+                f"tool_choice {self.tool_choice!r} already constrains the output: "
+                "it cannot be combined with response_format or structured_outputs",
+                param="tool_choice",
+            )
+        return tools.structured_outputs()
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None:

@@ -227,7 +227,14 @@ class Router:
             )
         gen = self._start(prefix, prompts, params, whole=not body.stream)
         fmt = ResponseFormat(
-            self.tokenizer, self.model_name, gen.request_id, chat, params.logprobs, body.return_token_ids
+            self.tokenizer,
+            self.model_name,
+            gen.request_id,
+            chat,
+            params.logprobs,
+            body.return_token_ids,
+            body.tool_request() if chat else None,
+            self.prompts.tool_format(),
         )
         if body.stream:
             chunks = (fmt.chunk(d) async for d in self._deltas(gen))
