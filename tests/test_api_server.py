@@ -15,6 +15,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import surface_checks
 import tool_checks
 from conftest import CHAT, MAX_MODEL_LEN, MODEL, PROMPTS
 from openai_errors import check_malformed_inputs
@@ -119,6 +120,11 @@ def test_return_token_ids_gives_llm_tokens_whole_and_streamed(client, reference_
     assert streamed == expected[1]
     plain = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=2, temperature=0)
     assert "token_ids" not in (plain.choices[0].model_extra or {})
+
+
+def test_prompt_token_ids_and_continuous_usage(client, tokenizer):
+    surface_checks.check_prompt_token_ids(client, tokenizer)
+    surface_checks.check_continuous_usage(client)
 
 
 def test_chat_stream_joins_to_the_non_stream_text(client, greedy_texts):

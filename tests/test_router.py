@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+import surface_checks
 import tool_checks
 from conftest import PROMPTS
 from openai_errors import assert_openai_error, check_malformed_inputs, post_json
@@ -280,6 +281,13 @@ def test_pd_through_the_router_returns_llm_token_ids(cluster):
         extra_body={"return_token_ids": True, "ignore_eos": True},
     )
     assert out.choices[0].model_extra["token_ids"] == expected
+    assert out.choices[0].model_extra["prompt_token_ids"] == prompt
+
+
+def test_prompt_token_ids_and_continuous_usage_through_pe_and_ce(cluster, tokenizer):
+    client = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0, timeout=300)
+    surface_checks.check_prompt_token_ids(client, tokenizer)
+    surface_checks.check_continuous_usage(client)
 
 
 def _stream_all(url: str, prompts: list[str], max_tokens: int, results: dict) -> None:

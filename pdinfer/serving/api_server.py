@@ -184,7 +184,7 @@ class OpenAIServer:
         self.prompts.check_room(prompts, params.max_tokens)
         show_ids = body.return_token_ids or params.logprobs is not None
         gen = await self._start("cmpl", prompts, params, "prompt", show_ids)
-        return await self._respond(gen, body, request, params.logprobs, chat=False)
+        return await self._respond(gen, body, request, prompts, params.logprobs, chat=False)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_servable(body.model)
@@ -193,22 +193,27 @@ class OpenAIServer:
         self.prompts.check_room([prompt], params.max_tokens)
         show_ids = body.return_token_ids or params.logprobs is not None
         gen = await self._start("chatcmpl", [prompt], params, "messages", show_ids)
-        return await self._respond(gen, body, request, params.logprobs, chat=True)
+        return await self._respond(gen, body, request, [prompt], params.logprobs, chat=True)
 
-    async def _respond(self, gen: _Generation, body, request: Request, logprobs: int | None, chat: bool):
+    async def _respond(
+        self, gen: _Generation, body, request: Request, prompts: list[dict], logprobs: int | None, chat: bool
+    ):
         fmt = ResponseFormat(
             self.engine.tokenizer,
             self.model_name,
             gen.streams[0].request_id,
             chat,
             logprobs,
-            body.return_token_ids,
+            [p["prompt_token_ids"] for p in prompts] if body.return_token_ids else None,
             body.tool_request() if chat else None,
             self.prompts.tool_format(),
+            body.n,
         )
         if body.stream:
             chunks = (fmt.chunk(d) async for d in self._deltas(gen))
-            return sse_response(chunks, fmt, gen.usage, body.include_usage, self._count_error, gen.close)
+            return sse_response(
+                chunks, fmt, gen.usage, body.include_usage, self._count_error, gen.close, body.continuous_usage
+            )
         await self._collect(request, gen)
         return fmt.body(gen.finals(), gen.usage())
 

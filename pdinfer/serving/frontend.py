@@ -276,14 +276,19 @@ class ResponseFormat:
         request_id: str,
         chat: bool,
         logprobs: int | None,
-        return_token_ids: bool = False,
+        prompt_token_ids: list[list[int]] | None = None,
         tool_request: tools.ToolRequest | None = None,
         tool_format: str = tools.HERMES,
+        n: int = 1,
     ):
         self.tokenizer = tokenizer
         self.chat = chat
         self.num_logprobs = logprobs
-        self.return_token_ids = return_token_ids  # each choice (or chunk) also lists its tokens
+        # ``return_token_ids`` (vLLM's shape): each choice (or chunk) lists its tokens, and the
+        # prompt's: per choice on completions, once per response on chat (in the first chunk).
+        self.prompt_token_ids = prompt_token_ids
+        self.return_token_ids = prompt_token_ids is not None
+        self.n = n
         self.tool_request = tool_request
         self.tool_format = tool_format
         self.head = {
@@ -293,7 +298,7 @@ class ResponseFormat:
             "model": model_name,
         }
         self.chunk_head = {**self.head, "object": "chat.completion.chunk"} if chat else self.head
-        self._started: set[int] = set()  # chat choices whose first chunk (with the role) is out
+        self._started: set[int] = set()  # choices whose first chunk (chat: with the role) is out
         self._parsers: dict[int, tools.ToolParser | None] = {}
 
     def logprobs(self, delta: Delta):
@@ -308,7 +313,9 @@ class ResponseFormat:
     def chunk(self, d: Delta) -> dict | None:
         """One streamed chunk; None when a tool parser holds everything back."""
         if not self.chat:
-            return {**self.chunk_head, "choices": [self._completion_choice(d)]}
+            first = d.index not in self._started
+            self._started.add(d.index)
+            return {**self.chunk_head, "choices": [self._completion_choice(d, first)]}
         delta: dict = {} if d.index in self._started else {"role": "assistant"}
         logprobs = self.logprobs(d)
         parser = self._parser(d.index)
@@ -329,9 +336,12 @@ class ResponseFormat:
                 delta["tool_calls"] = step.calls
             if not delta and not finish_reason and logprobs is None and not self.return_token_ids:
                 return None
+        head = self.chunk_head
+        if self.prompt_token_ids is not None and not self._started:  # the response's first chunk
+            head = {**head, "prompt_token_ids": self.prompt_token_ids[0]}
         self._started.add(d.index)
         return {
-            **self.chunk_head,
+            **head,
             "choices": [
                 {
                     "index": d.index,
@@ -348,8 +358,10 @@ class ResponseFormat:
         finals = sorted(finals, key=lambda d: d.index)
         if self.chat:
             choices = [self._chat_choice(d) for d in finals]
+            if self.prompt_token_ids is not None:
+                return {**self.head, "choices": choices, "usage": usage, "prompt_token_ids": self.prompt_token_ids[0]}
         else:
-            choices = [self._completion_choice(d) for d in finals]
+            choices = [self._completion_choice(d, True) for d in finals]
         return {**self.head, "choices": choices, "usage": usage}
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -385,14 +397,17 @@ class ResponseFormat:
             return "tool_calls"
         return reason
 
-    def _completion_choice(self, d: Delta) -> dict:
-        return {
+    def _completion_choice(self, d: Delta, first: bool) -> dict:
+        choice = {
             "index": d.index,
             "text": d.text,
             "logprobs": self.logprobs(d),
             "finish_reason": d.finish_reason,
             **self._ids(d),
         }
+        if first and self.prompt_token_ids is not None:
+            choice["prompt_token_ids"] = self.prompt_token_ids[d.index // self.n]
+        return choice
 
     def _ids(self, d: Delta) -> dict:
         return {"token_ids": list(d.token_ids)} if self.return_token_ids else {}
@@ -409,14 +424,19 @@ def sse_response(
     include_usage: bool,
     on_error: Callable[[APIError], None],
     cleanup: Callable[[], None],
+    continuous_usage: bool = False,
 ) -> StreamingResponse:
     """Stream ``chunks``; an ``APIError`` raised mid-stream travels as an error event (the
-    headers are gone). ``cleanup`` runs however the stream ends (client gone included)."""
+    headers are gone). ``cleanup`` runs however the stream ends (client gone included).
+    ``continuous_usage``: every chunk also carries the usage so far (vLLM's
+    ``continuous_usage_stats``)."""
 
     async def events() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
                 if chunk is not None:  # None: a tool parser holds the piece back
+                    if continuous_usage:
+                        chunk["usage"] = usage()
                     yield sse_event(chunk)
             if include_usage:
                 yield sse_event(fmt.usage_chunk(usage()))

@@ -101,6 +101,7 @@ def _is_unicode(text: str) -> bool:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # extra (vLLM): with include_usage, usage in every chunk
 
 
 class _GenerationRequest(BaseModel):
@@ -182,6 +183,10 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.n > MAX_N:

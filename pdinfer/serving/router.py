@@ -232,13 +232,16 @@ class Router:
             gen.request_id,
             chat,
             params.logprobs,
-            body.return_token_ids,
+            [p["prompt_token_ids"] for p in prompts] if body.return_token_ids else None,
             body.tool_request() if chat else None,
             self.prompts.tool_format(),
+            body.n,
         )
         if body.stream:
             chunks = (fmt.chunk(d) async for d in self._deltas(gen))
-            return sse_response(chunks, fmt, gen.usage, body.include_usage, self._count_error, gen.cancel)
+            return sse_response(
+                chunks, fmt, gen.usage, body.include_usage, self._count_error, gen.cancel, body.continuous_usage
+            )
         await run_unless_disconnected(request, self._drain(gen))
         return fmt.body(gen.finals(), gen.usage())
 
