@@ -151,7 +151,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode CUDA graphs (after the KV cache exists; CUDA only)."""
-        if self.gpu is not None:
+        if self.gpu is not None and getattr(self.model, "supports_cuda_graphs", True):
             self.gpu.capture_cuda_graphs(max_num_seqs, max_model_len)
 
     # --- one step ------------------------------------------------------------------------------
@@ -184,7 +184,8 @@ class ModelRunner:
     def _forward(self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits of the rows ``inp.samples`` name, in their order."""
         kv = self.require_cache().kv
-        meta = build_attention_metadata(inp, kv, self.native_kernels)
+        model_meta = getattr(self.model, "build_attention_metadata", None)  # a model's own cache layout (MLA)
+        meta = model_meta(inp, kv) if model_meta is not None else build_attention_metadata(inp, kv, self.native_kernels)
         sample_rows = [s.row for s in inp.samples]
         if sample_rows == list(range(inp.num_tokens)):  # a decode step: every row is sampled
             hidden = self.model(input_ids, positions, kv, meta)
