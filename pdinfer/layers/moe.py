@@ -50,7 +50,7 @@ def select_experts(
     scores = logits.softmax(dim=-1) if moe.scoring == "softmax" else logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias
     if moe.topk_groups < moe.num_groups:
-        grouped = choice.view(choice.shape[0], moe.num_groups, -1)
+        grouped = choice.view(choice.shape[0], moe.num_groups, moe.num_experts // moe.num_groups)
         if moe.group_score == "top2":
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
         else:

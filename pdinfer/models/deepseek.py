@@ -55,7 +55,7 @@ class MLAttention(nn.Module):
         out = self.attn.forward(q_nope, q_rope, entries, self.kv_b_proj.weight, kv_cache[:, self.layer_idx], meta)
         if keep_rows is not None:
             out = out.index_select(0, keep_rows)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * mla.v_head_dim))
 
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
