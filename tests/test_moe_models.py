@@ -56,7 +56,8 @@ CASES = {
             mlp_only_layers=[1],
         ),
     ),
-    # softmax, group-limited greedy (best 2 of 4 groups by their best expert), plain q_proj,
+    # softmax, group-limited greedy (both experts from the one group with the best expert:
+    # with top_k <= topk_group the groups could not change the choice), plain q_proj,
     # YaRN with mscale (the softmax scale changes), 2 shared experts, layer 0 dense
     "deepseek-v2": (
         "DeepseekV2Config",
@@ -68,7 +69,7 @@ CASES = {
             first_k_dense_replace=1,
             topk_method="group_limited_greedy",
             n_group=4,
-            topk_group=2,
+            topk_group=1,
             routed_scaling_factor=1.5,
             rope_parameters={
                 "rope_type": "yarn",
@@ -113,10 +114,11 @@ class Case:
             for param_name, param in model.named_parameters():
                 if "norm" in param_name:  # initialised to 1: make them matter
                     param.uniform_(0.5, 1.5)
-                elif param_name.endswith("e_score_correction_bias"):  # zeros: make it choose
-                    param.normal_(0.0, 0.3)
                 elif param_name.endswith("bias"):
                     param.normal_(0.0, 0.5)
+            for buffer_name, buffer in model.named_buffers():
+                if buffer_name.endswith("e_score_correction_bias"):  # zeros (a buffer): make it choose
+                    buffer.normal_(0.0, 0.3)
         model.save_pretrained(folder, safe_serialization=True)
         self.name, self.folder, self.model = name, str(folder), model.eval()
         self._refs: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
