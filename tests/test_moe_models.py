@@ -3,10 +3,11 @@
 Each case builds a model with transformers (8 routed experts, top-2; hidden 64; vocab 256),
 saves it as float32 safetensors and compares pdinfer's greedy tokens and log-probabilities with
 transformers' own ``generate()`` on the same weights: a mixed batch, chunked prefill in several
-chunks per prompt, a prefix-cache hit, and (DeepSeek: with the latent cache) a PE -> CE
-hand-off. The weights are drawn wide (``initializer_range`` 0.2, norms and biases perturbed, the
-V3 correction bias as large as the sigmoid scores' spread) so that routing, groups and the bias
-all decide something and the greedy tokens are far from flat.
+chunks per prompt, a prefix-cache hit, blocks loaded from the KV store and a PE -> CE
+hand-off (for DeepSeek, the store and the hand-off carry the latent cache). The weights are
+drawn wide (``initializer_range`` 0.2, norms and biases perturbed, the V3 correction bias as
+large as the sigmoid scores' spread) so that routing, groups and the bias all decide something
+and the greedy tokens are far from flat.
 """
 
 from __future__ import annotations
@@ -203,6 +204,23 @@ def test_prefix_cache_hit_matches_transformers(case):
     assert out_second[0].metrics.num_cached_tokens == 48  # three full blocks read from the cache
     case.check([first, second], out_first + out_second, "prefix-cache hit")
     _all_free(llm.engine)
+
+
+def test_kv_store_load_matches_transformers(case, tmp_path):
+    """A second engine loads the first one's stored blocks (for DeepSeek: latent blocks)."""
+    prompts = _prompts(PROMPT_LENS)
+    writer = LLM(model=case.folder, num_kv_blocks=64, kv_store=str(tmp_path))
+    _generate(writer, prompts)
+    assert writer.engine.kv_store is not None and writer.engine.kv_store.flush(60)  # saves run in the background
+    writer.engine.shutdown()
+    reader = LLM(model=case.folder, num_kv_blocks=64, kv_store=str(tmp_path))
+    outputs = _generate(reader, prompts)
+    block = reader.engine.cache_config.block_size
+    # the full blocks before each prompt's last token are loaded instead of recomputed
+    assert [o.metrics.num_cached_tokens for o in outputs] == [(n - 1) // block * block for n in PROMPT_LENS]
+    case.check(prompts, outputs, "KV store load")
+    _all_free(reader.engine)
+    reader.engine.shutdown()
 
 
 def test_pd_handoff_matches_transformers(case):
