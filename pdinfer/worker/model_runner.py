@@ -135,6 +135,8 @@ class ModelRunner:
         item = torch.empty((), dtype=self.dtype).element_size()
         qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         per_token = (4 * s.hidden_size + 2 * qkv + 3 * s.intermediate_size) * item
+        if s.moe is not None:  # the rows sorted by expert and their outputs (layers/moe.py)
+            per_token += 2 * s.moe.top_k * s.hidden_size * item
         logits = num_logit_rows * s.vocab_size * 4 * 4  # logits, probs, noise, sort
         return num_tokens * per_token + logits
 
