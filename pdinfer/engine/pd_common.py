@@ -133,14 +133,15 @@ class Reservation(msgspec.Struct):
 
 
 def kv_layout(engine) -> KVLayout:
-    spec = engine.spec
+    cache = engine.spec.kv_cache  # what a block holds (MLA: the latent, not K and V)
     return KVLayout(
         model=model_fingerprint(engine),
         dtype=str(engine.dtype).removeprefix("torch."),
-        num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
+        num_layers=cache.num_layers,
+        num_kv_heads=cache.heads,
+        head_dim=cache.dim,
         block_size=engine.cache_config.block_size,
+        kv_parts=cache.parts,
     )
 
 

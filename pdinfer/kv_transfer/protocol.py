@@ -27,9 +27,10 @@ class KVLayout(msgspec.Struct, frozen=True):
     model: str  # architecture + shape fingerprint
     dtype: str
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # vectors per token, part and layer (MLA: 1 latent)
+    head_dim: int  # their size (MLA: kv_lora_rank + qk_rope_head_dim)
     block_size: int
+    kv_parts: int = 2  # K and V; MLA: 1
 
     def mismatch(self, other: KVLayout) -> str | None:
         diffs = [

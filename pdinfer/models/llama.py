@@ -98,9 +98,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, intermediate_size: int | None = None):
         super().__init__()
-        self.intermediate = spec.intermediate_size
+        self.intermediate = intermediate_size or spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.intermediate, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate, spec.hidden_size, bias=spec.mlp_bias)
 

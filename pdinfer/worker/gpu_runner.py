@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdinfer.layers.attention.triton_paged import use_triton_attention
+from pdinfer.models.llama import LlamaForCausalLM
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
 from pdinfer.worker.gpu_input import GpuInputBuilder, GpuStep
 from pdinfer.worker.sampler import SamplerOutput
@@ -107,6 +108,9 @@ class GpuStepRunner:
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         from pdinfer.worker.cuda_graph import CudaGraphRunner
 
+        if not isinstance(self.model, LlamaForCausalLM):  # the MoE path syncs on the host (layers/moe.py)
+            logger.info("%s runs without CUDA graphs", self.spec.architecture)
+            return
         cache = self.runner.require_cache()
         max_blocks = -(-max_model_len // cache.block_size)
         self.graphs = CudaGraphRunner(self.model, cache, max_batch, max_blocks, self.num_sms)

@@ -20,6 +20,7 @@ from pdinfer.engine_type import EngineType
 from pdinfer.layers import cpu_kernels
 from pdinfer.layers.cpu_decode_stack import DecodeStack
 from pdinfer.layers.cpu_linear import pack_linears
+from pdinfer.models.llama import LlamaForCausalLM
 from pdinfer.models.loader import build_model, load_quantized_blocks
 from pdinfer.models.spec import ModelSpec
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
@@ -81,7 +82,7 @@ class ModelRunner:
                 load_quantized_blocks(folder) if use_blocks else None,
                 amx=bool(use_blocks and env.get("PDINFER_CPU_AMX")),
             )
-            if env.get("PDINFER_CPU_DECODE_STACK") and hasattr(self.model, "decode_stack"):
+            if env.get("PDINFER_CPU_DECODE_STACK") and isinstance(self.model, LlamaForCausalLM):
                 self.model.decode_stack = DecodeStack.build(self.model, self.native_kernels)
         self.sampler = Sampler()
         self.cache: CacheEngine | None = None
@@ -134,6 +135,8 @@ class ModelRunner:
         item = torch.empty((), dtype=self.dtype).element_size()
         qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         per_token = (4 * s.hidden_size + 2 * qkv + 3 * s.intermediate_size) * item
+        if s.moe is not None:  # the rows sorted by expert and their outputs (layers/moe.py)
+            per_token += 2 * s.moe.top_k * s.hidden_size * item
         logits = num_logit_rows * s.vocab_size * 4 * 4  # logits, probs, noise, sort
         return num_tokens * per_token + logits
 
@@ -184,7 +187,8 @@ class ModelRunner:
     def _forward(self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits of the rows ``inp.samples`` name, in their order."""
         kv = self.require_cache().kv
-        meta = build_attention_metadata(inp, kv, self.native_kernels)
+        model_meta = getattr(self.model, "build_attention_metadata", None)  # a model's own cache layout (MLA)
+        meta = model_meta(inp, kv) if model_meta is not None else build_attention_metadata(inp, kv, self.native_kernels)
         sample_rows = [s.row for s in inp.samples]
         if sample_rows == list(range(inp.num_tokens)):  # a decode step: every row is sampled
             hidden = self.model(input_ids, positions, kv, meta)
