@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import msgspec
 import uvicorn
@@ -336,7 +337,7 @@ class ResponseFormat:
                 delta["tool_calls"] = step.calls
             if not delta and not finish_reason and logprobs is None and not self.return_token_ids:
                 return None
-        head = self.chunk_head
+        head: dict[str, Any] = self.chunk_head
         if self.prompt_token_ids is not None and not self._started:  # the response's first chunk
             head = {**head, "prompt_token_ids": self.prompt_token_ids[0]}
         self._started.add(d.index)
