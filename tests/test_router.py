@@ -385,3 +385,29 @@ def test_restarted_ce_on_the_same_port_comes_back_into_rotation(cluster):
     assert metric(url, routed) > before  # the PE re-handshook with the new instance
     kv = restarted.wait_blocks_back()
     assert kv["free_blocks"] == kv["total_blocks"]
+
+
+def test_a_late_health_answer_ejects_only_an_engine_whose_streams_are_silent(monkeypatch):
+    """Three health checks in a row that time out eject a silent engine; an engine whose streams
+    sent the router bytes within the last check window stays in (the late answer is the busy
+    router's). The engine is a real socket that accepts and never answers."""
+    from pdinfer.serving import router_pool
+    from pdinfer.serving.load_balancer import Engine
+    from pdinfer.serving.router_pool import EnginePool, RouterMetrics
+
+    monkeypatch.setattr(router_pool, "_HEALTH_TIMEOUT_S", 0.05)
+
+    async def run() -> tuple[bool, bool]:
+        servers = [await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0) for _ in range(2)]
+        urls = [f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers]
+        silent, streaming = Engine(urls[0], "normal", healthy=True), Engine(urls[1], "decode", healthy=True)
+        async with httpx.AsyncClient() as client:
+            pool = EnginePool([silent, streaming], client, RouterMetrics("m"), interval_s=0.05)
+            for _ in range(router_pool._MAX_SLOW_CHECKS):
+                streaming.last_heard_s = time.monotonic()  # a token came through its stream
+                await pool.check_all()
+        for server in servers:
+            server.close()
+        return silent.healthy, streaming.healthy
+
+    assert asyncio.run(run()) == (False, True)

@@ -321,8 +321,10 @@ class Router:
         return None
 
     async def _relay_raw(self, resp: httpx.Response, assignment) -> AsyncIterator[bytes]:
+        engine = assignment.engine
         try:
             async for chunk in resp.aiter_raw():
+                engine.last_heard_s = time.monotonic()
                 yield chunk
         except httpx.HTTPError as exc:
             error = APIError(502, f"the engine failed mid-stream: {exc!r}", type="server_error", code="engine_failed")

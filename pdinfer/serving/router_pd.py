@@ -142,7 +142,7 @@ class PDDriver:
             self.metrics.routed.labels(engine=ce.url, role=ce.role).inc()
             self.metrics.routed.labels(engine=prefill.engine.url, role="prefill").inc()
             tasks = [
-                asyncio.ensure_future(self._read(lines, events)),
+                asyncio.ensure_future(self._read(ce, lines, events)),
                 asyncio.ensure_future(self._prefill(prefill, body, reservation, events)),
             ]
             await self._relay(job, ce, decode, events)
@@ -215,9 +215,10 @@ class PDDriver:
         excluded.add(ce.url)
         return None
 
-    async def _read(self, lines, events: asyncio.Queue) -> None:
+    async def _read(self, ce: Engine, lines, events: asyncio.Queue) -> None:
         try:
             async for line in lines:
+                ce.last_heard_s = time.monotonic()
                 if line.startswith("data: "):
                     events.put_nowait(("event", decode_event(line[6:])))
             events.put_nowait(("ce_failed", "its stream ended before the request finished"))
