@@ -5,6 +5,7 @@ bad requests, a CE killed under load, and the same CE restarted on its port."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -411,3 +412,50 @@ def test_a_late_health_answer_ejects_only_an_engine_whose_streams_are_silent(mon
         return silent.healthy, streaming.healthy
 
     assert asyncio.run(run()) == (False, True)
+
+
+def _children(pid: int) -> list[int]:
+    path = f"/proc/{pid}/task/{pid}/children"
+    with open(path) as f:
+        return [int(c) for c in f.read().split()]
+
+
+def test_router_workers_share_the_port_and_die_with_their_parent(cluster, tmp_path):
+    """``--workers 2``: two router processes accept on one port; concurrent streams through it
+    give the one-process router's greedy texts; killing the parent takes the worker with it."""
+    urls = ["--prefill", cluster["pe"].url, "--decode", *[ce.url for ce in cluster["ces"]]]
+    router = Server(["router", *urls, "--workers", "2", "--health-interval-s", "0.5"], tmp_path / "r2.log").start()
+    try:
+        [worker] = _children(router.proc.pid)
+        wait_for(lambda: all(e["healthy"] for e in engines_seen(router.url)), "the workers' engines in rotation")
+        prompts = [f"Count from {i} to {i + 5}:" for i in range(8)]
+        one = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0, timeout=300)
+        expected = [
+            one.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text for p in prompts
+        ]
+        two = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        got = [
+            two.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text for p in prompts
+        ]
+        assert got == expected
+        results: dict = {}
+        _stream_all(router.url, prompts, 8, results)
+        for t in results.pop("threads"):
+            t.join()
+        assert results == {i: ("completed", 8) for i in range(len(prompts))}
+        router.proc.kill()
+        router.proc.wait()
+        deadline = time.monotonic() + 20
+        while os.path.exists(f"/proc/{worker}") and _state(worker) != "Z":
+            assert time.monotonic() < deadline, "the worker outlived its parent"
+            time.sleep(0.1)
+    finally:
+        router.stop()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
