@@ -459,3 +459,106 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "gone"
+
+
+class _ScriptedEngine:
+    """A NORMAL engine's HTTP surface on a real socket, answering POSTs from a script: "drop"
+    closes the connection without an answer (what a pooled keep-alive connection the engine
+    just closed looks like to the router), "ok" answers a completion, "busy" a 503 with
+    Retry-After. /health and /v1/models answer as an engine does."""
+
+    def __init__(self, script: list[str]):
+        self.script = list(script)
+        self.posts = 0
+        self.loop = asyncio.new_event_loop()
+        self.port = free_port()
+        started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self.thread.start()
+        started.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
+        started.set()
+        self.loop.run_forever()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        import json
+
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            method, path = head.split(b" ")[:2]
+            length = next(
+                (
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                ),
+                0,
+            )
+            await reader.readexactly(length)
+            headers: dict[str, str] = {}
+            if method == b"GET":
+                if path == b"/v1/models":
+                    body = {"data": [{"id": MODEL, "max_model_len": 1024}]}
+                else:
+                    body = {"status": "ok", "role": "normal"}
+                status = 200
+            else:
+                self.posts += 1
+                action = self.script.pop(0) if self.script else "ok"
+                if action == "drop":
+                    writer.close()
+                    return
+                if action == "busy":
+                    status, headers = 503, {"Retry-After": "7"}
+                    body = {
+                        "error": {
+                            "message": "the engine is busy",
+                            "type": "server_overloaded",
+                            "param": None,
+                            "code": "overloaded",
+                        }
+                    }
+                else:
+                    status = 200
+                    body = {
+                        "id": "x",
+                        "object": "text_completion",
+                        "created": 0,
+                        "model": MODEL,
+                        "choices": [{"index": 0, "text": "scripted", "logprobs": None, "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                    }
+            payload = json.dumps(body).encode()
+            extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            writer.write(
+                f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n{extra}\r\n".encode()
+                + payload
+            )
+            await writer.drain()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_a_connection_dropped_before_the_answer_is_retried_and_a_refusal_is_relayed(tmp_path):
+    """A NORMAL engine that drops one connection without answering keeps its place in rotation
+    and the request succeeds on a new connection; an engine that answers 503 with Retry-After
+    has that answer relayed as it is when no other engine can take the request."""
+    engine = _ScriptedEngine(["drop", "ok", "busy"])
+    router = Server(["router", "--normal", engine.url, "--health-interval-s", "0.5"], tmp_path / "router.log")
+    try:
+        router.start()
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert out.choices[0].text == "scripted" and engine.posts == 2
+        assert [e["healthy"] for e in engines_seen(router.url)] == [True]
+        resp = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "7"
+        assert resp.json()["error"]["code"] == "overloaded"
+    finally:
+        router.stop()
+        engine.stop()

@@ -467,10 +467,22 @@ async def run_unless_disconnected(request: Request, awaitable):
         task.cancel()
 
 
+# An idle keep-alive connection stays open this long (uvicorn's default is 5 s). A router's
+# client pool forgets its idle connections sooner (``CLIENT_KEEP_ALIVE_S``), so it never sends a
+# request on a connection the engine is closing at that moment (which fails the request).
+KEEP_ALIVE_S = 30
+CLIENT_KEEP_ALIVE_S = 10
+
+
 def http_server(app: FastAPI, host: str, port: int) -> uvicorn.Server:
     """The uvicorn server of a front end; its own logging only when pdinfer's is at DEBUG."""
     debug = logging.getLogger("pdinfer").getEffectiveLevel() <= logging.DEBUG
     config = uvicorn.Config(
-        app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info" if debug else "warning"
+        app,
+        host=host,
+        port=port,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        log_level="info" if debug else "warning",
     )
     return uvicorn.Server(config)
