@@ -39,13 +39,13 @@ class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
         self.top_ids += other.top_ids
         self.top_logprobs += other.top_logprobs
 
-    def as_dicts(self, prompt_token_ids: list[int]) -> list[dict[int, float] | None]:
+    def as_dicts(self, prompt_token_ids: list[int], top_k: int | None = None) -> list[dict[int, float] | None]:
         """vLLM's shape, with floats (as ``CompletionOutput.logprobs``): None for token 0, then
-        per token {its id: log-prob, then the top ids: theirs}."""
+        per token {its id: log-prob, then the top ids (at most ``top_k``): theirs}."""
         out: list[dict[int, float] | None] = [None]
         for i, logprob in enumerate(self.token_logprobs):
             entry = {prompt_token_ids[i + 1]: logprob}
-            for token_id, top in zip(self.top_ids[i], self.top_logprobs[i]):
+            for token_id, top in zip(self.top_ids[i][:top_k], self.top_logprobs[i][:top_k]):
                 entry.setdefault(token_id, top)
             out.append(entry)
         return out

@@ -33,6 +33,7 @@ from pdinfer.serving.frontend import (
     sse_response,
 )
 from pdinfer.serving.metrics import RequestTimer, ServerMetrics
+from pdinfer.serving.prompt_echo import PromptEcho
 from pdinfer.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 
 logger = logging.getLogger("pdinfer")
@@ -196,8 +197,10 @@ class OpenAIServer:
         return await self._respond(gen, body, request, params.logprobs, chat=True)
 
     async def _respond(self, gen: _Generation, body, request: Request, logprobs: int | None, chat: bool):
+        tokenizer = self.engine.tokenizer
+        echo = PromptEcho.of(body, tokenizer, [stream.tracker for stream in gen.streams], logprobs)
         fmt = ResponseFormat(
-            self.engine.tokenizer, self.model_name, gen.streams[0].request_id, chat, logprobs, body.return_token_ids
+            tokenizer, self.model_name, gen.streams[0].request_id, chat, logprobs, body.return_token_ids, echo
         )
         if body.stream:
             chunks = (fmt.chunk(d) async for d in self._deltas(gen))

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdinfer.engine.output_tracker import ChoiceDelta
 from pdinfer.serving import protocol
+from pdinfer.serving.prompt_echo import PromptEcho
 from pdinfer.serving.protocol import APIError, ChatCompletionRequest, bad_request
 
 _json_encode = msgspec.json.Encoder().encode
@@ -253,8 +254,10 @@ class ResponseFormat:
         chat: bool,
         logprobs: int | None,
         return_token_ids: bool = False,
+        prompt_echo: PromptEcho | None = None,
     ):
         self.tokenizer = tokenizer
+        self.prompt_echo = prompt_echo  # echo and prompt_logprobs (prompt_echo.py); None: neither
         self.chat = chat
         self.num_logprobs = logprobs
         self.return_token_ids = return_token_ids  # each choice (or chunk) also lists its tokens
@@ -313,19 +316,29 @@ class ResponseFormat:
             ]
         else:
             choices = [self._completion_choice(d) for d in finals]
-        return {**self.head, "choices": choices, "usage": usage}
+        if self.prompt_echo is None:
+            return {**self.head, "choices": choices, "usage": usage}
+        body = {**self.head, "choices": choices, "usage": self.prompt_echo.usage(usage)}
+        if self.chat:
+            self.prompt_echo.chat_body(body)
+        return body
 
     def usage_chunk(self, usage: dict) -> dict:
+        if self.prompt_echo is not None:
+            usage = self.prompt_echo.usage(usage)
         return {**self.chunk_head, "choices": [], "usage": usage}
 
     def _completion_choice(self, d: Delta) -> dict:
-        return {
+        choice = {
             "index": d.index,
             "text": d.text,
             "logprobs": self.logprobs(d),
             "finish_reason": d.finish_reason,
             **self._ids(d),
         }
+        if self.prompt_echo is not None:
+            self.prompt_echo.completion_choice(choice)
+        return choice
 
     def _ids(self, d: Delta) -> dict:
         return {"token_ids": list(d.token_ids)} if self.return_token_ids else {}
