@@ -132,7 +132,9 @@ def test_steps_run_as_sub_batches_give_the_same_values(chunked_llm, prompt_ids, 
 
     monkeypatch.setattr(model_runner, "PREFILL_SUBBATCH_TOKENS", 6)
     outs = chunked_llm.generate(
-        [{"prompt_token_ids": ids} for ids in prompt_ids], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False
+        [{"prompt_token_ids": ids} for ids in prompt_ids],
+        SamplingParams(max_tokens=1, prompt_logprobs=2),
+        use_tqdm=False,
     )
     for out in outs:
         check_prompt_logprobs(out, 2, reference_logprobs)

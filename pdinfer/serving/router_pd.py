@@ -281,6 +281,8 @@ class PDDriver:
                 continue  # once tokens flow, the CE holds the K/V: the PE's answer is moot
             if kind == "prefill_failed":
                 raise item
+            if kind == "ce_failed" and held and held[-1].finished:
+                continue  # the CE is done (its stream ended); its events wait for the PE's answer
             if kind == "ce_failed":
                 self.pool.eject(ce, str(item))
                 if not job.streamed:
