@@ -17,6 +17,7 @@ neither, so the common answer costs nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from pdinfer.outputs import PromptLogprobs
@@ -28,9 +29,14 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM and OpenAI send this instead
 class PromptSource(Protocol):
     """One prompt as the answer shows it (``OutputTracker`` is one)."""
 
-    prompt: str | None
-    prompt_token_ids: list[int]
-    prompt_logprobs: PromptLogprobs | None  # once the engine computed the prompt
+    @property
+    def prompt(self) -> str | None: ...
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def prompt_logprobs(self) -> PromptLogprobs | None: ...  # once the engine computed the prompt
 
 
 def prompt_logprobs_json(tokenizer, token_ids: list[int], plp: PromptLogprobs, k: int) -> list[dict | None]:
@@ -50,7 +56,7 @@ def _logprob(value: float, rank: int, text: str) -> dict:
     return {"logprob": max(value, _MIN_LOGPROB), "rank": rank, "decoded_token": text}
 
 
-def _decoder(tokenizer):
+def _decoder(tokenizer) -> Callable[[int], str]:
     cache: dict[int, str] = {}
 
     def decode(token_id: int) -> str:
@@ -70,7 +76,7 @@ class PromptEcho:
         self,
         tokenizer,
         n: int,
-        sources: list[PromptSource],
+        sources: Sequence[PromptSource],
         echo: bool,
         prompt_logprobs: int | None,
         num_logprobs: int | None,
@@ -87,7 +93,7 @@ class PromptEcho:
         self._texts: dict[int, str] = {}
 
     @classmethod
-    def of(cls, body, tokenizer, sources: list[PromptSource], num_logprobs: int | None) -> PromptEcho | None:
+    def of(cls, body, tokenizer, sources: Sequence[PromptSource], num_logprobs: int | None) -> PromptEcho | None:
         """The echo of a request ``body``; None when it asks for neither."""
         echo = bool(getattr(body, "echo", False))
         if not echo and body.prompt_logprobs is None:
@@ -139,8 +145,8 @@ class PromptEcho:
         source = self.sources[prompt]
         ids, plp = source.prompt_token_ids, source.prompt_logprobs
         k = self.num_logprobs or 0
-        entries = (plp or PromptLogprobs()).as_dicts(ids, top_k=k)
-        head = protocol.completion_logprobs(self.tokenizer, ids[1:], entries[1:], k, 0)
+        entries = [e for e in (plp or PromptLogprobs()).as_dicts(ids, top_k=k) if e is not None]  # all but the first
+        head = protocol.completion_logprobs(self.tokenizer, ids[1:], entries, k, 0)
         first = self.tokenizer.decode([ids[0]])
         head["tokens"].insert(0, first)
         head["token_logprobs"].insert(0, None)

@@ -27,6 +27,7 @@ import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdinfer.outputs import PromptLogprobs
 from pdinfer.serving import protocol
 from pdinfer.serving.frontend import (
     DEFAULT_MAX_BODY_BYTES,
@@ -121,7 +122,7 @@ class _Prompt:
         return self.job.token_ids
 
     @property
-    def prompt_logprobs(self):
+    def prompt_logprobs(self) -> PromptLogprobs | None:
         return self.job.prompt_logprobs
 
 
