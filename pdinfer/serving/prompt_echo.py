@@ -112,7 +112,7 @@ class PromptEcho:
             body["prompt_logprobs"] = self._prompt_logprobs(0)
 
     def completion_choice(self, choice: dict) -> None:
-        """Complete one completion choice (a whole one, or a stream chunk) of ``token_ids``."""
+        """Complete one completion choice: a whole one, or a stream chunk (the first gets the prompt)."""
         index = choice["index"]
         first = index not in self._shown
         self._shown.add(index)
