@@ -255,17 +255,22 @@ def test_tool_calls_through_pe_and_ce(cluster):
         assert server.wait_blocks_back()["free_blocks"] == server.kv()["total_blocks"]
 
 
-def test_pd_through_the_router_returns_llm_token_ids(cluster):
-    """A token-id prompt through PE -> CE behind the router: with ``return_token_ids`` the answer
-    lists NORMAL's greedy tokens (how the GPU run compares outputs without a tokenizer)."""
+@pytest.fixture(scope="module")
+def normal_llm(cluster):
+    """The reference: a NORMAL engine in this process (built once the cluster is up)."""
     from conftest import make_llm
 
+    return make_llm(kv_cache_memory=512 << 20, max_model_len=1024)
+
+
+def test_pd_through_the_router_returns_llm_token_ids(cluster, normal_llm):
+    """A token-id prompt through PE -> CE behind the router: with ``return_token_ids`` the answer
+    lists NORMAL's greedy tokens (how the GPU run compares outputs without a tokenizer)."""
     from pdinfer import SamplingParams
 
     prompt = [7, 300, 1200, 45, 9000, 12, 77, 4096]
     expected = (
-        make_llm(kv_cache_memory=512 << 20, max_model_len=1024)
-        .generate(
+        normal_llm.generate(
             [{"prompt_token_ids": prompt}],
             SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
             use_tqdm=False,
@@ -289,6 +294,57 @@ def test_prompt_token_ids_and_continuous_usage_through_pe_and_ce(cluster, tokeni
     client = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0, timeout=300)
     surface_checks.check_prompt_token_ids(client, tokenizer)
     surface_checks.check_continuous_usage(client)
+
+
+def test_prompt_logprobs_and_echo_through_pe_and_ce(cluster, normal_llm):
+    """The PE computes the prompt log-probs in its prefill and answers them to the router, which
+    puts them in the answer (before any token): NORMAL's (LLM's) values, per choice; echo with
+    log-probs streams the prompt first; chat's are on the response; every block comes back."""
+    from pdinfer import SamplingParams
+
+    prompt = PROMPTS[3]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    ref = normal_llm.generate([prompt], params, use_tqdm=False)[0]
+    chat_ref = normal_llm.chat(CHAT, params.clone(prompt_logprobs=0), use_tqdm=False)[0]
+    client = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0, timeout=300)
+    out = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=6,
+        n=2,
+        temperature=0,
+        extra_body={"prompt_logprobs": 2, "ignore_eos": True},
+    )
+    assert [c.text for c in out.choices] == [ref.outputs[0].text] * 2
+    for choice in out.choices:
+        got = choice.model_extra["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(ref.prompt_logprobs)
+        for entry, want in zip(got[1:], ref.prompt_logprobs[1:]):
+            assert list(entry) == [str(t) for t in want]
+            assert [item["logprob"] for item in entry.values()] == pytest.approx(list(want.values()), abs=1e-4)
+    chunks = [
+        c.choices[0]
+        for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True, logprobs=0, stream=True
+        )
+        if c.choices
+    ]
+    assert chunks[0].text.startswith(prompt) and "".join(c.text for c in chunks) == prompt + ref.outputs[0].text
+    ids = ref.prompt_token_ids
+    head = chunks[0].logprobs.token_logprobs[: len(ids)]
+    assert head[0] is None
+    assert head[1:] == pytest.approx([ref.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))], abs=1e-4)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
+    chat_got = chat.model_extra["prompt_logprobs"]
+    assert len(chat_got) == len(chat_ref.prompt_logprobs) == chat.usage.prompt_tokens
+    assert [next(iter(e.values()))["logprob"] for e in chat_got[1:]] == pytest.approx(
+        [next(iter(e.values())) for e in chat_ref.prompt_logprobs[1:]], abs=1e-4
+    )
+    for server in (cluster["pe"], *cluster["ces"]):
+        kv = server.wait_blocks_back()
+        assert kv["free_blocks"] == kv["total_blocks"], server.url
 
 
 def _stream_all(url: str, prompts: list[str], max_tokens: int, results: dict) -> None:

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdinfer.engine.output_tracker import ChoiceDelta
 from pdinfer.serving import protocol, tools
+from pdinfer.serving.prompt_echo import PromptEcho
 from pdinfer.serving.protocol import APIError, ChatCompletionRequest, bad_request
 
 _json_encode = msgspec.json.Encoder().encode
@@ -281,8 +282,10 @@ class ResponseFormat:
         tool_request: tools.ToolRequest | None = None,
         tool_format: str = tools.HERMES,
         n: int = 1,
+        prompt_echo: PromptEcho | None = None,
     ):
         self.tokenizer = tokenizer
+        self.prompt_echo = prompt_echo  # echo and prompt_logprobs (prompt_echo.py); None: neither
         self.chat = chat
         self.num_logprobs = logprobs
         # ``return_token_ids`` (vLLM's shape): each choice (or chunk) lists its tokens, and the
@@ -359,13 +362,20 @@ class ResponseFormat:
         finals = sorted(finals, key=lambda d: d.index)
         if self.chat:
             choices = [self._chat_choice(d) for d in finals]
-            if self.prompt_token_ids is not None:
-                return {**self.head, "choices": choices, "usage": usage, "prompt_token_ids": self.prompt_token_ids[0]}
         else:
             choices = [self._completion_choice(d, True) for d in finals]
-        return {**self.head, "choices": choices, "usage": usage}
+        if self.prompt_echo is not None:
+            usage = self.prompt_echo.usage(usage)
+        body: dict[str, Any] = {**self.head, "choices": choices, "usage": usage}
+        if self.chat and self.prompt_token_ids is not None:
+            body["prompt_token_ids"] = self.prompt_token_ids[0]
+        if self.chat and self.prompt_echo is not None:
+            self.prompt_echo.chat_body(body)
+        return body
 
     def usage_chunk(self, usage: dict) -> dict:
+        if self.prompt_echo is not None:
+            usage = self.prompt_echo.usage(usage)
         return {**self.chunk_head, "choices": [], "usage": usage}
 
     def _chat_choice(self, d: Delta) -> dict:
@@ -408,6 +418,8 @@ class ResponseFormat:
         }
         if first and self.prompt_token_ids is not None:
             choice["prompt_token_ids"] = self.prompt_token_ids[d.index // self.n]
+        if self.prompt_echo is not None:
+            self.prompt_echo.completion_choice(choice)
         return choice
 
     def _ids(self, d: Delta) -> dict:

@@ -27,6 +27,7 @@ import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdinfer.outputs import PromptLogprobs
 from pdinfer.serving import protocol
 from pdinfer.serving.frontend import (
     CLIENT_KEEP_ALIVE_S,
@@ -47,6 +48,7 @@ from pdinfer.serving.load_balancer import (
     PrefillBalancer,
 )
 from pdinfer.serving.pd_protocol import OutputDelta, sampling_to_dict
+from pdinfer.serving.prompt_echo import PromptEcho
 from pdinfer.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from pdinfer.serving.router_pd import PDDriver, PDJob
 from pdinfer.serving.router_pool import EnginePool, RouterMetrics
@@ -110,6 +112,22 @@ class _Choice:
 
 
 @dataclass
+class _Prompt:
+    """One prompt of a request as its answer shows it (a ``prompt_echo.PromptSource``)."""
+
+    job: PDJob
+    prompt: str | None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.job.token_ids
+
+    @property
+    def prompt_logprobs(self) -> PromptLogprobs | None:
+        return self.job.prompt_logprobs
+
+
+@dataclass
 class _Generation:
     """The P/D jobs behind one HTTP request (one per prompt), feeding one queue."""
 
@@ -120,6 +138,7 @@ class _Generation:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Future] = field(default_factory=list)
     choices: dict[int, _Choice] = field(default_factory=dict)
+    prompts: list[_Prompt] = field(default_factory=list)
 
     def usage(self) -> dict[str, int]:
         completion = sum(c.num_tokens for c in self.choices.values())
@@ -230,6 +249,7 @@ class Router:
                 code="no_engine",
             )
         gen = self._start(prefix, prompts, params, whole=not body.stream)
+        echo = PromptEcho.of(body, self.tokenizer, gen.prompts, params.logprobs)
         fmt = ResponseFormat(
             self.tokenizer,
             self.model_name,
@@ -240,6 +260,7 @@ class Router:
             body.tool_request() if chat else None,
             self.prompts.tool_format(),
             body.n,
+            prompt_echo=echo,
         )
         if body.stream:
             chunks = (fmt.chunk(d) async for d in self._deltas(gen))
@@ -255,6 +276,7 @@ class Router:
         sampling = sampling_to_dict(params)
         for i, prompt in enumerate(prompts):
             job = PDJob(i, f"{gen.request_id}-{i}", list(prompt["prompt_token_ids"]), sampling, gen.queue)
+            gen.prompts.append(_Prompt(job, prompt.get("prompt")))
             gen.tasks.append(asyncio.ensure_future(self.driver.drive(job)))
         return gen
 
