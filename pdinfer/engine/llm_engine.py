@@ -20,6 +20,7 @@ import logging
 import os
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,11 +40,15 @@ from pdinfer.engine_type import EngineType
 from pdinfer.kv_store.agent import KVStoreAgent
 from pdinfer.models.loader import load_tokenizer, resolve_model
 from pdinfer.models.spec import ModelSpec
+from pdinfer.moe.balancer import ExpertLoadBalancer
 from pdinfer.outputs import RequestDelta, RequestOutput
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence, SequenceStatus
 from pdinfer.worker.model_runner import ModelRunner, StepExecutor, StepFuture
 from pdinfer.worker.step_input import StepInput
+
+if TYPE_CHECKING:
+    from pdinfer.distributed.ep_group import TorchExpertGroup
 
 logger = logging.getLogger("pdinfer")
 
@@ -68,6 +73,8 @@ class LLMEngine:
         self.spec = ModelSpec.from_hf_config(hf_config)
         self.scheduler_config = engine_args.create_scheduler_config(self.spec.max_position_embeddings)
         self.cache_config = engine_args.create_cache_config()
+        self.moe_config = engine_args.create_moe_config(self.scheduler_config)  # EP, EPLB, workspace
+        expert_group = self._expert_group(dp_group)
         tokenizer_source = engine_args.tokenizer if engine_args.tokenizer != engine_args.model else None
         self.tokenizer = load_tokenizer(self.model_folder, tokenizer_source)
         self.model_runner = ModelRunner(
@@ -78,6 +85,8 @@ class LLMEngine:
             self.device,
             self.engine_type,
             engine_args.seed,
+            self.moe_config,
+            expert_group,
         )
         self.zero_overhead = engine_args.zero_overhead_scheduling
         self.use_cuda_graph = (
@@ -92,6 +101,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, dp_group, self._state_manager())
         self.executor = StepExecutor(self.model_runner, overlap=self.zero_overhead)
+        self.eplb: ExpertLoadBalancer | None = None  # MoE with expert parallelism or replicas
+        if self.model_runner.moe_layers:
+            self.eplb = ExpertLoadBalancer(self.model_runner.moe_layers, self.moe_config, expert_group, self.executor)
         self.kv_store = KVStoreAgent.create(self)  # None unless EngineArgs.kv_store is set
         self.step_builder = StepBuilder()
         self.output_processor = OutputProcessor(self)
@@ -138,6 +150,21 @@ class LLMEngine:
             self.init_pd_split()
         if self.use_cuda_graph:  # the warm-up step: capture decode graphs over the real cache
             self.model_runner.capture_cuda_graphs(sc.max_num_seqs, sc.max_model_len)
+
+    def _expert_group(self, dp_group: DPGroup | None) -> TorchExpertGroup | None:
+        """The ranks of the DP group sharing this model's experts (None without EP)."""
+        size = self.moe_config.expert_parallel_size
+        if size == 1:
+            return None
+        if self.device.type != "cpu":
+            raise NotImplementedError("expert parallelism runs on CPU ranks only for now (gloo all-to-all)")
+        make = getattr(dp_group, "expert_group", None)
+        if make is None:
+            raise ValueError(
+                f"expert_parallel_size={size} needs a DP group to spread the experts over: "
+                f"run with data_parallel_size a multiple of {size}"
+            )
+        return make(size)
 
     def _state_manager(self) -> StateManager | None:
         """State slots only for models with per-sequence state (none of the Llama family)."""
@@ -393,6 +420,8 @@ class LLMEngine:
         self._log_step(plan)
         inflight = self._launch(plan)
         self.last_step_ran = inflight is not None
+        if inflight is not None and self.eplb is not None:
+            self.eplb.on_step(plan.prompt_run)  # may rearrange the experts after this forward
         self.pre_sampler_sync(plan)
         outputs, self._ready_outputs = self._ready_outputs + drained, []
         outputs += self.output_processor.scheduler_outputs(plan)
@@ -406,6 +435,9 @@ class LLMEngine:
         # In a DP group a rank's companion empty prefill step still runs an (empty) forward,
         # so every rank keeps the same beat.
         companion = plan.prompt_run and self.scheduler.dp_group.size > 1
+        # With expert parallelism every step meets the other ranks in every MoE layer's
+        # all-to-all, so a rank with nothing to run still runs an empty forward.
+        companion = companion or self.model_runner.dispatcher is not None
         if plan.is_empty and not plan.clone_blocks and not companion:
             return None
         inp, owners = self.step_builder.build(plan)
