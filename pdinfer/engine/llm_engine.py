@@ -352,7 +352,9 @@ class LLMEngine:
                     self.requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.has_unfinished_seqs() or self._inflight or self._ready_outputs)
+        # An empty step in flight (a DP rank's companion step) carries nothing to finish.
+        inflight = self._inflight is not None and not self._inflight.plan.is_empty
+        return bool(self.scheduler.has_unfinished_seqs() or inflight or self._ready_outputs)
 
     def get_num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks

@@ -15,8 +15,8 @@ DeepSeek's EPLB (github.com/deepseek-ai/EPLB, its "global" policy):
    rank when another rank has room for it.
 3. **Keep what stays.** The packs are matched to ranks by how many experts they share with the
    current placement, and an expert staying on its rank keeps its slot, so a rearrangement moves
-   only the weights it must; a new placement whose most loaded rank is no lighter than the
-   current one's is not taken at all.
+   only the weights it must; a new placement no better than the current one (its most loaded
+   rank, then its most loaded slot) is not taken at all.
 
 DeepSeek's hierarchical policy (expert groups packed onto nodes first, to keep traffic inside a
 node) is not used: pdinfer's EP groups have no node topology to respect.
@@ -41,15 +41,17 @@ def rebalance(
     counts = replicate(loads, num_slots, num_ranks)
     packs = pack(loads, counts, num_ranks)
     slots = place(packs, num_ranks, current)
-    if current is not None and max_rank_load(loads, current, num_ranks) <= max_rank_load(loads, slots, num_ranks):
+    if current is not None and imbalance(loads, current, num_ranks) <= imbalance(loads, slots, num_ranks):
         return list(current)  # no better than what is there: move nothing
     return slots
 
 
-def max_rank_load(loads: Sequence[float], slots: Sequence[int], num_ranks: int) -> float:
-    """The most loaded rank's load when each expert's load splits evenly over its replicas."""
+def imbalance(loads: Sequence[float], slots: Sequence[int], num_ranks: int) -> tuple[float, float]:
+    """(the most loaded rank's load, the most loaded slot's), each expert's load split evenly
+    over its replicas; compared in this order."""
     counts = Counter(slots)
-    return max(rank_loads([float(loads[e]) / counts[e] for e in slots], num_ranks))
+    slot_loads = [float(loads[e]) / counts[e] for e in slots]
+    return max(rank_loads(slot_loads, num_ranks)), max(slot_loads)
 
 
 def replicate(loads: Sequence[float], num_slots: int, num_ranks: int) -> list[int]:
