@@ -12,13 +12,17 @@ Pure pieces (placement, timer, workspace, two ranks as threads) are in test_eplb
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
+import torch.distributed as dist
 from dp_helpers import Client, quiesce, step_logs
 from test_moe_models import NEW_TOKENS, PROMPT_LENS, Case, _generate, _prompts
 
 from pdinfer import LLM, EngineArgs, SamplingParams
 from pdinfer.distributed.dp_front import DPFront, DPOptions
+from pdinfer.distributed.ep_group import TorchExpertGroup
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
@@ -135,6 +139,64 @@ def test_the_step_at_which_each_role_rearranges(case):
     finally:
         pe.shutdown()
         ce.shutdown()
+
+
+class _ThreadRanks:
+    """What an engine asks of its DP group for an expert group, for ranks that are threads of
+    this process: each connects its own gloo group at once (both are built concurrently)."""
+
+    def __init__(self, rank: int, size: int, store):
+        self.rank, self.size, self.store = rank, size, store
+
+    def all_reduce_min(self, values: list[int]) -> list[int]:
+        raise RuntimeError("no vote here: these ranks are PROMPT or COMPLETION engines")
+
+    def expert_group(self, size: int) -> TorchExpertGroup:
+        group = TorchExpertGroup(self.rank, size, timeout_s=60)
+        group.connect(dist.PrefixStore("ep/", self.store))
+        return group
+
+
+def test_a_pe_with_ep1_hands_off_to_a_ce_with_ep2(case):
+    """One PE holds every expert; a CE of two ranks (threads here, stepping in lockstep as a CE
+    group does) holds half each plus a replica, and rearranges every 5 steps. The PE hands
+    requests to both CE ranks: the K/V is per-rank attention state, so the hand-off does not
+    see the EP sizes. Tokens equal transformers'."""
+    from pdinfer.engine.completion_engine import CompletionEngine
+    from pdinfer.engine.pd_pair import PDPair
+    from pdinfer.engine.prefill_engine import PrefillEngine
+
+    store = dist.HashStore()
+    ce_args = dict(data_parallel_size=2, expert_parallel_size=2, num_redundant_experts=2, eplb_interval=5)
+
+    def build(rank: int) -> CompletionEngine:
+        args = EngineArgs(model=case.folder, engine_type="completion", num_kv_blocks=64, **ce_args)
+        return CompletionEngine(args, dp_group=_ThreadRanks(rank, 2, store))
+
+    with ThreadPoolExecutor(2) as pool:
+        ce0, ce1 = pool.map(build, range(2))
+    pe = PrefillEngine(EngineArgs(model=case.folder, engine_type="prompt", num_kv_blocks=64))
+    beside = ThreadPoolExecutor(1)
+    try:
+        assert ce0.model_runner.moe_layers[0].experts.gate_up_proj.shape[0] == 5  # (8 + 2) / 2
+        assert pe.eplb is None and pe.model_runner.moe_layers == []  # EP 1, no replicas: untouched
+        prompts = _prompts(PROMPT_LENS + (33, 9))
+        pairs = (PDPair(pe, ce0), PDPair(pe, ce1))
+        for i, prompt in enumerate(prompts):  # rank 0 gets four requests, rank 1 two
+            pairs[int(i % 3 == 2)].add_request(f"r{i}", {"prompt_token_ids": prompt}, GREEDY)
+        final = {}
+        while any(e.has_unfinished_requests() for e in (pe, ce0, ce1)):
+            pe.step()
+            ce1_step = beside.submit(ce1.step)  # the CE group's lockstep: one step for one
+            outputs = ce0.step() + ce1_step.result()
+            final.update({o.request_id: o for o in outputs if o.finished})
+        case.check(prompts, [final[f"r{i}"] for i in range(len(prompts))], "EP1 -> EP2")
+        assert ce0.eplb.rearranged_at == ce1.eplb.rearranged_at != []
+        assert ce0.eplb.stats.num_slots_received + ce1.eplb.stats.num_slots_received > 0
+    finally:
+        beside.shutdown()
+        for engine in (pe, ce0, ce1):
+            engine.shutdown()
 
 
 def test_expert_parallelism_needs_a_dp_group_and_a_moe_model(case, tiny_model):
