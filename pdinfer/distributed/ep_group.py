@@ -16,6 +16,7 @@ types equal.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,8 @@ class TorchExpertGroup:
             raise ValueError(f"the expert-parallel backend must be gloo or nccl, got {backend!r}")
         self.rank, self.size = rank, size
         self.backend, self.timeout_s = backend, timeout_s
-        self._pg: dist.ProcessGroup | None = None
+        # a gloo or NCCL backend object; the stubs declare its collectives on ProcessGroup only
+        self._pg: Any = None
 
     @property
     def is_connected(self) -> bool:
@@ -47,7 +49,7 @@ class TorchExpertGroup:
                 torch.cuda.set_device(device)
             self._pg = dist.ProcessGroupNCCL(store, self.rank, self.size, options)
 
-    def _require(self) -> dist.ProcessGroup:
+    def _require(self) -> Any:
         if self._pg is None:
             raise RuntimeError("the expert-parallel group is not connected yet (TorchDPGroup.join connects it)")
         return self._pg
