@@ -15,7 +15,7 @@ all output tokens over the wall time from the first request to the last token; T
 (time per output token after the first) are per request, p50, offline too (there the engine's
 own step loop runs the same closed loop as the clients: C in flight, the next added when one
 ends). For the served modes, ``front CPU us/token`` is the CPU time of the HTTP processes (the
-API servers of ``serve``; the router alone in ``router`` mode) over the output tokens: what the
+API servers of ``serve``; the router's processes in ``router`` mode) over the output tokens: what the
 HTTP path costs per token, wherever its processes run. The table gives each served mode
 as a fraction of offline at the same concurrency, and the router's as a fraction of ``serve``.
 ``--json`` writes the numbers.
@@ -269,7 +269,7 @@ def served(mode: str, args, concurrency: int, prompts, log_dir: Path) -> dict:
             servers.start(
                 "router",
                 ["router", "--port", str(port), "--normal", f"http://127.0.0.1:{engine_port}", *model]
-                + ["--normal-max-prompt-tokens", str(10 * args.input_len)],
+                + ["--normal-max-prompt-tokens", str(10 * args.input_len), "--workers", str(args.router_workers)],
             )
         else:
             pd = [*engine, *args.pd_arg]
@@ -313,7 +313,8 @@ def _children(pid: int) -> list[tuple[int, str]]:
 def _front_pids(mode: str, servers: Servers) -> list[int]:
     """The HTTP processes: serve's own and its extra API servers; the router alone."""
     if mode == "router":
-        return [servers.procs[1].pid]
+        pid = servers.procs[1].pid
+        return [pid] + [c for c, cmd in _children(pid) if "--listen-fd" in cmd]
     if mode == "serve":
         pid = servers.procs[0].pid
         return [pid] + [c for c, cmd in _children(pid) if "pdinfer.serving.api_process" in cmd]
@@ -365,6 +366,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--clients", type=int, default=2, help="client processes")
     p.add_argument("--api-server-count", type=int, default=None, help="passed to serve")
+    p.add_argument("--router-workers", type=int, default=1, help="router mode: the router's --workers")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--engine-arg", action="append", default=[], help="extra engine flag (serve, launch)")
     p.add_argument("--pd-arg", action="append", default=[], help="extra flag for launch only")

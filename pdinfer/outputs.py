@@ -15,6 +15,42 @@ from dataclasses import dataclass, field
 import msgspec
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Log-probs of a prompt's tokens 1..P-1, each given the tokens before it (token 0 has no
+    prefix, so none), as parallel lists with one entry per position.
+
+    ``ranks``: the prompt token's rank in the vocabulary, the number of tokens at least as
+    likely (1: the most likely; vLLM's definition). ``top_ids``/``top_logprobs``: the k most
+    likely tokens of each position, most likely first (k = ``SamplingParams.prompt_logprobs``;
+    empty lists for 0).
+    """
+
+    token_logprobs: list[float] = []
+    ranks: list[int] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+
+    def __len__(self) -> int:
+        return len(self.token_logprobs)
+
+    def extend(self, other: PromptLogprobs) -> None:
+        self.token_logprobs += other.token_logprobs
+        self.ranks += other.ranks
+        self.top_ids += other.top_ids
+        self.top_logprobs += other.top_logprobs
+
+    def as_dicts(self, prompt_token_ids: list[int], top_k: int | None = None) -> list[dict[int, float] | None]:
+        """vLLM's shape, with floats (as ``CompletionOutput.logprobs``): None for token 0, then
+        per token {its id: log-prob, then the top ids (at most ``top_k``): theirs}."""
+        out: list[dict[int, float] | None] = [None]
+        for i, logprob in enumerate(self.token_logprobs):
+            entry = {prompt_token_ids[i + 1]: logprob}
+            for token_id, top in zip(self.top_ids[i][:top_k], self.top_logprobs[i][:top_k]):
+                entry.setdefault(token_id, top)
+            out.append(entry)
+        return out
+
+
 class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     """One sequence's news since its last delta."""
 
@@ -34,6 +70,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     finished: bool = False  # the engine is done with the request (every sequence finished)
     error: str | None = None  # why it ended without a normal completion
     num_cached_tokens: int = 0  # prefix-cache hit of its prefill
+    prompt_logprobs: PromptLogprobs | None = None  # sent once, when the whole prompt is computed
 
 
 @dataclass
@@ -68,4 +105,8 @@ class RequestOutput:
     finished: bool
     error: str | None = None  # set when the request ended without a normal completion
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: None for the first token, then {token id: log-prob} of
+    # each prompt token given the ones before it (its own entry first, then the top ones);
+    # None when not asked for, or when the request ended before its prompt was computed.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     extra: dict = field(default_factory=dict)

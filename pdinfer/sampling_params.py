@@ -51,6 +51,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per output token
+    # log-prob of every prompt token after the first given its prefix, plus this many top
+    # entries (0: the prompt token's only); None: off. See RequestOutput.prompt_logprobs.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # token id -> added to its logit, in [-100, 100] (OpenAI's logit_bias; JSON keys may be strings)
@@ -104,6 +107,10 @@ class SamplingParams:
             bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            bad(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             bad(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         self._verify_stops()

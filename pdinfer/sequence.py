@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdinfer.outputs import PromptLogprobs
 from pdinfer.sampling_params import SamplingParams
 
 
@@ -85,6 +86,12 @@ class Sequence:
         self.first_token_time: float | None = None
         self.handoff: Any = None  # P/D bookkeeping, owned by the PE/CE subclasses
         self.first_tokens: list[int] = []  # PE: the first token of each of the n outputs
+        # SamplingParams.prompt_logprobs: those of prompt tokens 1.. received so far, and how
+        # many of them launched steps compute (ahead with zero-overhead scheduling). Only a
+        # request's first sequence computes them, in its prefill; a fork never does.
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.num_prompt_logprobs_scheduled = 0
+        self.reported_prompt_logprobs = False
 
     # --- lengths ---------------------------------------------------------------------------
     @property
@@ -106,6 +113,20 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probs asked for and not all computed yet: its prefill must compute every
+        prompt position, so it takes no cached prefix (a cached block has no logits)."""
+        if self.sampling_params.prompt_logprobs is None or self.index != 0:
+            return False
+        return self.num_prompt_logprobs_scheduled < self.num_prompt_tokens - 1
+
+    @property
+    def has_prompt_logprobs(self) -> bool:
+        """Every prompt token's log-prob has arrived (a one-token prompt has none to wait for)."""
+        received = len(self.prompt_logprobs) if self.prompt_logprobs is not None else 0
+        return received >= self.num_prompt_tokens - 1
 
     @property
     def reached_max_tokens(self) -> bool:

@@ -67,4 +67,6 @@ def check_continuous_usage(client: openai.OpenAI) -> None:
     without = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=2, stream=True, stream_options={"include_usage": True}
     )
-    assert [c.usage is None for c in without] == [True, True, False]  # only the usage chunk
+    chunks = list(without)
+    assert chunks[-1].usage.completion_tokens == 2 and not chunks[-1].choices  # the usage chunk
+    assert all(c.usage is None for c in chunks[:-1])  # and only it

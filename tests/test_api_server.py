@@ -255,6 +255,101 @@ def test_logprobs(client):
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
 
 
+def test_prompt_logprobs_in_vllm_shape_equal_llm(client, reference_llm, tokenizer):
+    """vLLM's ``prompt_logprobs``: per choice, None for the first token, then {token id: {logprob,
+    rank, decoded_token}}: the prompt token first, then the top k (ranked 1..k)."""
+    prompts = [PROMPTS[4], PROMPTS[0]]
+    refs = reference_llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)
+    out = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=3, temperature=0, extra_body={"prompt_logprobs": 3}
+    )
+    for choice, ref in zip(out.choices, refs):
+        got = choice.model_extra["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(ref.prompt_token_ids) == len(ref.prompt_logprobs)
+        for entry, want, token in zip(got[1:], ref.prompt_logprobs[1:], ref.prompt_token_ids[1:]):
+            assert list(entry) == [str(t) for t in want]
+            for tid, item in entry.items():
+                assert item["logprob"] == pytest.approx(want[int(tid)], abs=1e-4)
+                assert item["decoded_token"] == tokenizer.decode([int(tid)])
+            by_rank = sorted(entry.values(), key=lambda item: item["rank"])
+            if len(entry) == 4:  # the prompt token is not among the top 3
+                assert [item["rank"] for item in by_rank[:3]] == [1, 2, 3] and entry[str(token)]["rank"] > 3
+            else:
+                assert [item["rank"] for item in by_rank] == [1, 2, 3]
+            assert [item["logprob"] for item in by_rank] == sorted((i["logprob"] for i in by_rank), reverse=True)
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=1)
+    assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
+
+
+def test_echo_leads_with_the_prompt_whole_streamed_and_scoring_only(server, client, greedy_texts, reference_llm):
+    """OpenAI's legacy ``echo``: the prompt text first; with ``logprobs`` its tokens' log-probs
+    first (the first one's null); streamed, in the first chunk; with max_tokens 0, the prompt
+    scored and nothing generated."""
+    prompt = PROMPTS[1]
+    ref = reference_llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    ids, num_prompt = ref.prompt_token_ids, len(ref.prompt_token_ids)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=1)
+    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=1, echo=True)
+    choice, lp = echo.choices[0], echo.choices[0].logprobs
+    assert choice.text == prompt + greedy_texts[12][1] and echo.usage.prompt_tokens == num_prompt
+    assert "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    prompt_lps = [ref.prompt_logprobs[i][ids[i]] for i in range(1, num_prompt)]
+    assert lp.token_logprobs[1:num_prompt] == pytest.approx(prompt_lps, abs=1e-4)
+    assert lp.tokens[num_prompt:] == plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[num_prompt:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert lp.text_offset[num_prompt] == len(prompt) and lp.text_offset[0] == 0
+    chunks = [
+        c.choices[0]
+        for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=1, echo=True, stream=True
+        )
+        if c.choices
+    ]
+    assert chunks[0].text.startswith(prompt) and chunks[0].logprobs.token_logprobs[0] is None
+    assert "".join(c.text for c in chunks) == prompt + greedy_texts[12][1]
+    streamed_lps = [x for c in chunks for x in c.logprobs.token_logprobs]
+    assert streamed_lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    score = client.completions.create(model=MODEL, prompt=[prompt, PROMPTS[0]], max_tokens=0, echo=True, logprobs=0)
+    assert [c.text for c in score.choices] == [prompt, PROMPTS[0]]
+    assert score.usage.completion_tokens == 0 and score.choices[0].finish_reason == "length"
+    assert score.choices[0].logprobs.token_logprobs[1:] == pytest.approx(prompt_lps, abs=1e-4)
+    streamed = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == prompt  # token ids: decoded
+    assert wait_blocks_back(server)["free_blocks"] == kv(server)["total_blocks"]
+
+
+def test_chat_prompt_logprobs_are_on_the_response(client, reference_llm):
+    ref = reference_llm.chat(CHAT, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    out = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
+    got = out.model_extra["prompt_logprobs"]  # vLLM's place for chat: the response, not a choice
+    assert len(got) == len(ref.prompt_token_ids) == out.usage.prompt_tokens and got[0] is None
+    for entry, want in zip(got[1:], ref.prompt_logprobs[1:]):
+        ((tid, item),) = entry.items()  # k = 0: the prompt token alone
+        assert item["logprob"] == pytest.approx(want[int(tid)], abs=1e-4)
+    assert "prompt_logprobs" not in (out.choices[0].model_extra or {})
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ("completions", {"prompt": "hi", "prompt_logprobs": -1, "echo": True, "logprobs": 1}, "prompt_logprobs"),
+        ("completions", {"prompt": "hi", "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+        ("chat/completions", {"messages": CHAT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("completions", {"prompt": "hi", "echo": True, "suffix": "!"}, "suffix"),
+    ],
+)
+def test_prompt_logprobs_and_echo_refusals(server, path, body, param):
+    resp = httpx.post(
+        f"{server}/v1/{path}", json={"model": MODEL, **body}, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
 BAD_REQUESTS = [
     ("completions", {"model": MODEL, "max_tokens": 4}, 400, "prompt"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),

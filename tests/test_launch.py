@@ -289,9 +289,15 @@ def test_short_prompts_go_to_the_normal_engine(references, tmp_path):
             assert out.choices[0].text == references["greedy"][i]
         stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in stream if c.choices) == references["greedy"][0]
+        extra = {"prompt_logprobs": 1}  # relayed as sent, like echo
+        out = client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, echo=True, extra_body=extra
+        )
+        assert out.choices[0].text == PROMPTS[0] + references["greedy"][0]
+        assert len(out.choices[0].model_extra["prompt_logprobs"]) == out.usage.prompt_tokens
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         normal = children["normal-0"]["url"]
-        assert f'pdinfer_router_requests_routed_total{{engine="{normal}",role="normal"}} 2.0' in metrics
+        assert f'pdinfer_router_requests_routed_total{{engine="{normal}",role="normal"}} 3.0' in metrics
         decode = children["completion-0"]["url"]
         assert f'pdinfer_router_requests_routed_total{{engine="{decode}",role="decode"}} 1.0' in metrics
     finally:

@@ -95,8 +95,9 @@ def _prompts(prompt_ids):
         GREEDY,
         SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=24, ignore_eos=True),
         SamplingParams(n=2, temperature=1.0, seed=99, max_tokens=12, ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=4, ignore_eos=True, prompt_logprobs=3),
     ],
-    ids=["greedy", "seeded", "n2"],
+    ids=["greedy", "seeded", "n2", "prompt_logprobs"],
 )
 def test_pd_output_equals_normal(tcp_pair, normal, prompt_ids, params):
     prompts = _prompts(prompt_ids)
@@ -106,7 +107,14 @@ def test_pd_output_equals_normal(tcp_pair, normal, prompt_ids, params):
         assert g.error is None
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs]
         assert [c.text for c in g.outputs] == [c.text for c in e.outputs]
+        if params.prompt_logprobs is None:
+            assert g.prompt_logprobs is None
+        else:  # the PE computed them in its prefill
+            assert [list(p or ()) for p in g.prompt_logprobs] == [list(p or ()) for p in e.prompt_logprobs]
+            for p, q in zip(g.prompt_logprobs[1:], e.prompt_logprobs[1:]):
+                assert list(p.values()) == pytest.approx(list(q.values()), abs=1e-4)
     assert tcp_pair.pe.handoff_stats["count"] >= len(prompts)
+    assert not tcp_pair.pe.requests  # n > 1 included: the PE forgets each request once handed off
     all_free(tcp_pair.pe, tcp_pair.ce)
 
 

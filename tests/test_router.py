@@ -5,6 +5,7 @@ bad requests, a CE killed under load, and the same CE restarted on its port."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -254,17 +255,22 @@ def test_tool_calls_through_pe_and_ce(cluster):
         assert server.wait_blocks_back()["free_blocks"] == server.kv()["total_blocks"]
 
 
-def test_pd_through_the_router_returns_llm_token_ids(cluster):
-    """A token-id prompt through PE -> CE behind the router: with ``return_token_ids`` the answer
-    lists NORMAL's greedy tokens (how the GPU run compares outputs without a tokenizer)."""
+@pytest.fixture(scope="module")
+def normal_llm(cluster):
+    """The reference: a NORMAL engine in this process (built once the cluster is up)."""
     from conftest import make_llm
 
+    return make_llm(kv_cache_memory=512 << 20, max_model_len=1024)
+
+
+def test_pd_through_the_router_returns_llm_token_ids(cluster, normal_llm):
+    """A token-id prompt through PE -> CE behind the router: with ``return_token_ids`` the answer
+    lists NORMAL's greedy tokens (how the GPU run compares outputs without a tokenizer)."""
     from pdinfer import SamplingParams
 
     prompt = [7, 300, 1200, 45, 9000, 12, 77, 4096]
     expected = (
-        make_llm(kv_cache_memory=512 << 20, max_model_len=1024)
-        .generate(
+        normal_llm.generate(
             [{"prompt_token_ids": prompt}],
             SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
             use_tqdm=False,
@@ -288,6 +294,57 @@ def test_prompt_token_ids_and_continuous_usage_through_pe_and_ce(cluster, tokeni
     client = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0, timeout=300)
     surface_checks.check_prompt_token_ids(client, tokenizer)
     surface_checks.check_continuous_usage(client)
+
+
+def test_prompt_logprobs_and_echo_through_pe_and_ce(cluster, normal_llm):
+    """The PE computes the prompt log-probs in its prefill and answers them to the router, which
+    puts them in the answer (before any token): NORMAL's (LLM's) values, per choice; echo with
+    log-probs streams the prompt first; chat's are on the response; every block comes back."""
+    from pdinfer import SamplingParams
+
+    prompt = PROMPTS[3]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    ref = normal_llm.generate([prompt], params, use_tqdm=False)[0]
+    chat_ref = normal_llm.chat(CHAT, params.clone(prompt_logprobs=0), use_tqdm=False)[0]
+    client = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0, timeout=300)
+    out = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=6,
+        n=2,
+        temperature=0,
+        extra_body={"prompt_logprobs": 2, "ignore_eos": True},
+    )
+    assert [c.text for c in out.choices] == [ref.outputs[0].text] * 2
+    for choice in out.choices:
+        got = choice.model_extra["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(ref.prompt_logprobs)
+        for entry, want in zip(got[1:], ref.prompt_logprobs[1:]):
+            assert list(entry) == [str(t) for t in want]
+            assert [item["logprob"] for item in entry.values()] == pytest.approx(list(want.values()), abs=1e-4)
+    chunks = [
+        c.choices[0]
+        for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True, logprobs=0, stream=True
+        )
+        if c.choices
+    ]
+    assert chunks[0].text.startswith(prompt) and "".join(c.text for c in chunks) == prompt + ref.outputs[0].text
+    ids = ref.prompt_token_ids
+    head = chunks[0].logprobs.token_logprobs[: len(ids)]
+    assert head[0] is None
+    assert head[1:] == pytest.approx([ref.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))], abs=1e-4)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
+    chat_got = chat.model_extra["prompt_logprobs"]
+    assert len(chat_got) == len(chat_ref.prompt_logprobs) == chat.usage.prompt_tokens
+    assert [next(iter(e.values()))["logprob"] for e in chat_got[1:]] == pytest.approx(
+        [next(iter(e.values())) for e in chat_ref.prompt_logprobs[1:]], abs=1e-4
+    )
+    for server in (cluster["pe"], *cluster["ces"]):
+        kv = server.wait_blocks_back()
+        assert kv["free_blocks"] == kv["total_blocks"], server.url
 
 
 def _stream_all(url: str, prompts: list[str], max_tokens: int, results: dict) -> None:
@@ -385,3 +442,179 @@ def test_restarted_ce_on_the_same_port_comes_back_into_rotation(cluster):
     assert metric(url, routed) > before  # the PE re-handshook with the new instance
     kv = restarted.wait_blocks_back()
     assert kv["free_blocks"] == kv["total_blocks"]
+
+
+def test_a_late_health_answer_ejects_only_an_engine_whose_streams_are_silent(monkeypatch):
+    """Three health checks in a row that time out eject a silent engine; an engine whose streams
+    sent the router bytes within the last check window stays in (the late answer is the busy
+    router's). The engine is a real socket that accepts and never answers."""
+    from pdinfer.serving import router_pool
+    from pdinfer.serving.load_balancer import Engine
+    from pdinfer.serving.router_pool import EnginePool, RouterMetrics
+
+    monkeypatch.setattr(router_pool, "_HEALTH_TIMEOUT_S", 0.05)
+
+    async def run() -> tuple[bool, bool]:
+        servers = [await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0) for _ in range(2)]
+        urls = [f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers]
+        silent, streaming = Engine(urls[0], "normal", healthy=True), Engine(urls[1], "decode", healthy=True)
+        async with httpx.AsyncClient() as client:
+            pool = EnginePool([silent, streaming], client, RouterMetrics("m"), interval_s=0.05)
+            for _ in range(router_pool._MAX_SLOW_CHECKS):
+                streaming.last_heard_s = time.monotonic()  # a token came through its stream
+                await pool.check_all()
+        for server in servers:
+            server.close()
+        return silent.healthy, streaming.healthy
+
+    assert asyncio.run(run()) == (False, True)
+
+
+def _children(pid: int) -> list[int]:
+    path = f"/proc/{pid}/task/{pid}/children"
+    with open(path) as f:
+        return [int(c) for c in f.read().split()]
+
+
+def test_router_workers_share_the_port_and_die_with_their_parent(cluster, tmp_path):
+    """``--workers 2``: two router processes accept on one port; concurrent streams through it
+    give the one-process router's greedy texts; killing the parent takes the worker with it."""
+    urls = ["--prefill", cluster["pe"].url, "--decode", *[ce.url for ce in cluster["ces"]]]
+    router = Server(["router", *urls, "--workers", "2", "--health-interval-s", "0.5"], tmp_path / "r2.log").start()
+    try:
+        [worker] = _children(router.proc.pid)
+        wait_for(lambda: all(e["healthy"] for e in engines_seen(router.url)), "the workers' engines in rotation")
+        prompts = [f"Count from {i} to {i + 5}:" for i in range(8)]
+        one = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0, timeout=300)
+        expected = [
+            one.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text for p in prompts
+        ]
+        two = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        got = [
+            two.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text for p in prompts
+        ]
+        assert got == expected
+        results: dict = {}
+        _stream_all(router.url, prompts, 8, results)
+        for t in results.pop("threads"):
+            t.join()
+        assert results == {i: ("completed", 8) for i in range(len(prompts))}
+        router.proc.kill()
+        router.proc.wait()
+        deadline = time.monotonic() + 20
+        while os.path.exists(f"/proc/{worker}") and _state(worker) != "Z":
+            assert time.monotonic() < deadline, "the worker outlived its parent"
+            time.sleep(0.1)
+    finally:
+        router.stop()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+class _ScriptedEngine:
+    """A NORMAL engine's HTTP surface on a real socket, answering POSTs from a script: "drop"
+    closes the connection without an answer (what a pooled keep-alive connection the engine
+    just closed looks like to the router), "ok" answers a completion, "busy" a 503 with
+    Retry-After. /health and /v1/models answer as an engine does."""
+
+    def __init__(self, script: list[str]):
+        self.script = list(script)
+        self.posts = 0
+        self.loop = asyncio.new_event_loop()
+        self.port = free_port()
+        started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self.thread.start()
+        started.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
+        started.set()
+        self.loop.run_forever()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        import json
+
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            method, path = head.split(b" ")[:2]
+            length = next(
+                (
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                ),
+                0,
+            )
+            await reader.readexactly(length)
+            headers: dict[str, str] = {}
+            if method == b"GET":
+                if path == b"/v1/models":
+                    body = {"data": [{"id": MODEL, "max_model_len": 1024}]}
+                else:
+                    body = {"status": "ok", "role": "normal"}
+                status = 200
+            else:
+                self.posts += 1
+                action = self.script.pop(0) if self.script else "ok"
+                if action == "drop":
+                    writer.close()
+                    return
+                if action == "busy":
+                    status, headers = 503, {"Retry-After": "7"}
+                    body = {
+                        "error": {
+                            "message": "the engine is busy",
+                            "type": "server_overloaded",
+                            "param": None,
+                            "code": "overloaded",
+                        }
+                    }
+                else:
+                    status = 200
+                    body = {
+                        "id": "x",
+                        "object": "text_completion",
+                        "created": 0,
+                        "model": MODEL,
+                        "choices": [{"index": 0, "text": "scripted", "logprobs": None, "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                    }
+            payload = json.dumps(body).encode()
+            extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            writer.write(
+                f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n{extra}\r\n".encode()
+                + payload
+            )
+            await writer.drain()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_a_connection_dropped_before_the_answer_is_retried_and_a_refusal_is_relayed(tmp_path):
+    """A NORMAL engine that drops one connection without answering keeps its place in rotation
+    and the request succeeds on a new connection; an engine that answers 503 with Retry-After
+    has that answer relayed as it is when no other engine can take the request."""
+    engine = _ScriptedEngine(["drop", "ok", "busy"])
+    router = Server(["router", "--normal", engine.url, "--health-interval-s", "0.5"], tmp_path / "router.log")
+    try:
+        router.start()
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert out.choices[0].text == "scripted" and engine.posts == 2
+        assert [e["healthy"] for e in engines_seen(router.url)] == [True]
+        resp = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "7"
+        assert resp.json()["error"]["code"] == "overloaded"
+    finally:
+        router.stop()
+        engine.stop()

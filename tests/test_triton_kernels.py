@@ -251,6 +251,10 @@ def test_gpu_step_path_matches_cpu_runner():
         context_lens=lens,
         block_tables=tables,
         samples=[sample(4, 5), sample(21, 17, temperature=0.8, seed=11)],
+        # prompt log-probs of the first sequence and of the chunk (rows 22.. are the third's)
+        prompt_rows=[0, 1, 2, 3, 22, 23, 24, 25, 26, 27],
+        prompt_targets=prompts[0][1:5] + prompts[2][1:7],
+        prompt_top_k=3,
     )
     # step 1: the rest of the third prompt, attending to its cached chunk
     chunk = StepInput(
@@ -262,6 +266,8 @@ def test_gpu_step_path_matches_cpu_runner():
         context_lens=[9],
         block_tables=[tables[2]],
         samples=[sample(2, 9)],
+        prompt_rows=[0, 1],
+        prompt_targets=prompts[2][7:9],
     )
     # step 2: decode all three; two tokens are still pending (sampled by step 0 and step 1)
     decode = StepInput(
@@ -279,4 +285,8 @@ def test_gpu_step_path_matches_cpu_runner():
         ref = cpu.execute(inp)
         out = gpu.execute(inp).wait()
         assert out.token_ids == ref.token_ids, inp.step_id
+        assert out.prompt_ranks == ref.prompt_ranks and out.prompt_top_ids == ref.prompt_top_ids
+        if inp.prompt_rows:
+            assert len(out.prompt_logprobs) == len(inp.prompt_rows)
+            assert out.prompt_logprobs == pytest.approx(ref.prompt_logprobs, abs=1e-4)
     assert rel_err(gpu.cache.kv, cpu.cache.kv) < 1e-5  # every K/V slot written in the same place

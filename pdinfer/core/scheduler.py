@@ -265,7 +265,8 @@ class Scheduler:
             # Sequences whose prompt completes join `running` at once; a chunked one will.
             if len(self.running) + len(self.prompted) + int(is_chunked) >= cfg.max_num_seqs:
                 break
-            hits = bm.lookup_prefix(seq) if not seq.block_table else []
+            # Prompt log-probs need every position's logits: such a prefill reuses no cached prefix.
+            hits = bm.lookup_prefix(seq) if not seq.block_table and not seq.needs_prompt_logprobs else []
             computed = len(hits) * bm.block_size if hits else seq.num_computed_tokens
             remaining = seq.num_tokens - computed
             chunk = remaining

@@ -59,6 +59,7 @@ class InFlight:
     inp: StepInput
     owners: list[tuple[Sequence, int]]
     future: StepFuture
+    prompt_owners: list[tuple[Sequence, int]]  # (sequence, its rows of prompt log-probs)
 
 
 class LLMEngine:
@@ -442,8 +443,8 @@ class LLMEngine:
         companion = companion or self.model_runner.dispatcher is not None
         if plan.is_empty and not plan.clone_blocks and not companion:
             return None
-        inp, owners = self.step_builder.build(plan)
-        return InFlight(plan, inp, owners, self.executor.launch(inp))
+        inp, owners, prompt_owners = self.step_builder.build(plan)
+        return InFlight(plan, inp, owners, self.executor.launch(inp), prompt_owners)
 
     def pre_sampler_sync(self, plan: SchedulerOutputs) -> None:
         if not plan.prompt_run:

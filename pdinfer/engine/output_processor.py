@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from pdinfer.core.outputs import SchedulerOutputs
 from pdinfer.engine.request import RequestState, fork_seed
-from pdinfer.outputs import RequestDelta
+from pdinfer.outputs import PromptLogprobs, RequestDelta
 from pdinfer.sequence import Sequence, SequenceStatus
 from pdinfer.worker.step_input import StepResult
 
@@ -47,6 +47,8 @@ class OutputProcessor:
         for seq, done in zip(plan.scheduled_seqs, plan.do_sample):
             if done:
                 seq.num_pending_tokens -= 1
+        if inflight.prompt_owners:
+            self._add_prompt_logprobs(inflight.prompt_owners, result)
         requests = self.engine.requests
         for index, (seq, copy) in enumerate(inflight.owners):
             if seq.is_finished:
@@ -67,6 +69,27 @@ class OutputProcessor:
                 self._after_token(seq, token)
             touched[state.request_id] = state
         return [self.engine._report(state) for state in touched.values()]
+
+    @staticmethod
+    def _add_prompt_logprobs(prompt_owners: list[tuple[Sequence, int]], result: StepResult) -> None:
+        """Append each sequence's rows of this step's prompt log-probs (a chunk's worth)."""
+        assert result.prompt_logprobs is not None and result.prompt_ranks is not None
+        row = 0
+        for seq, num_rows in prompt_owners:
+            end = row + num_rows
+            k = seq.sampling_params.prompt_logprobs or 0
+            top_ids, top_logprobs = result.prompt_top_ids, result.prompt_top_logprobs
+            chunk = PromptLogprobs(
+                result.prompt_logprobs[row:end],
+                result.prompt_ranks[row:end],
+                [ids[:k] for ids in top_ids[row:end]] if top_ids is not None else [[]] * num_rows,
+                [lps[:k] for lps in top_logprobs[row:end]] if top_logprobs is not None else [[]] * num_rows,
+            )
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = chunk
+            else:
+                seq.prompt_logprobs.extend(chunk)
+            row = end
 
     def _record_first_token(self, state, seq, copy, token, result, index) -> None:
         if copy == 0:

@@ -18,7 +18,14 @@ import time
 from dataclasses import dataclass
 
 from pdinfer.engine.detokenizer import Detokenizer, DetokState, find_stop
-from pdinfer.outputs import CompletionOutput, RequestDelta, RequestMetrics, RequestOutput, SeqDelta
+from pdinfer.outputs import (
+    CompletionOutput,
+    PromptLogprobs,
+    RequestDelta,
+    RequestMetrics,
+    RequestOutput,
+    SeqDelta,
+)
 from pdinfer.sampling_params import SamplingParams
 
 
@@ -92,6 +99,8 @@ class OutputTracker:
         self.engine_finished = False
         self.error: str | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: PromptLogprobs | None = None  # once the engine computed the prompt
+        self._prompt_dicts: list[dict[int, float] | None] | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
@@ -124,6 +133,8 @@ class OutputTracker:
                 stopped.append(seq.index)
         if delta.num_cached_tokens:
             self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             self.engine_finished = True
             self.error = delta.error
@@ -219,7 +230,16 @@ class OutputTracker:
             finished=finished,
             error=self.error,
             metrics=metrics,
+            prompt_logprobs=self._prompt_logprob_dicts(),
         )
+
+    def _prompt_logprob_dicts(self) -> list[dict[int, float] | None] | None:
+        """``RequestOutput.prompt_logprobs``, built once (they never change once here)."""
+        if self.prompt_logprobs is None:
+            return None
+        if self._prompt_dicts is None:
+            self._prompt_dicts = self.prompt_logprobs.as_dicts(self.prompt_token_ids)
+        return self._prompt_dicts
 
 
 def _kept_logprob(seq: SeqDelta, last: int) -> float | None:

@@ -21,6 +21,7 @@ class PDPair:
     def __init__(self, pe: PrefillEngine, ce: CompletionEngine):
         self.pe, self.ce = pe, ce
         self.errors: dict[str, RequestOutput] = {}
+        self._prompt_logprobs: dict[str, list] = {}  # from the PE (which prefills) to the CE's outputs
 
     def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
         """Reserve on the CE first (raises NoRoomError when it is full), then prefill on the PE."""
@@ -42,10 +43,17 @@ class PDPair:
         """One step of each engine; returns the CE's outputs and the PE's failures."""
         outputs = []
         for out in self.pe.step():
+            if out.prompt_logprobs is not None:
+                self._prompt_logprobs[out.request_id] = out.prompt_logprobs
             if out.finished and out.error:
                 self.errors[out.request_id] = out
+                self._prompt_logprobs.pop(out.request_id, None)
                 outputs.append(out)
-        outputs += self.ce.step()
+        for out in self.ce.step():
+            out.prompt_logprobs = self._prompt_logprobs.get(out.request_id)
+            if out.finished:
+                self._prompt_logprobs.pop(out.request_id, None)
+            outputs.append(out)
         return outputs
 
     def generate(self, prompts, params: SamplingParams) -> list[RequestOutput]:

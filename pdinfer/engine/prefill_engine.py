@@ -136,6 +136,9 @@ class PrefillEngine(LLMEngine):
         reservation.check(num_blocks_needed=0)
         self.connector.check_address(reservation.address)
         seq = super().add_request(request_id, prompt, sampling_params, arrival_time, enqueue=False)
+        # n > 1: the n first tokens ride on this one sequence (the CE forks): it alone ends the
+        # request here (else the request would never count as finished on the PE).
+        self.requests[request_id].expected_seqs = 1
         error = None
         if seq.num_prompt_tokens != reservation.num_prompt_tokens:
             error = (

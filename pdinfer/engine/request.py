@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pdinfer.outputs import RequestDelta, SeqDelta
+from pdinfer.outputs import PromptLogprobs, RequestDelta, SeqDelta
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence
 
@@ -62,4 +62,14 @@ class RequestState:
             )
         error = self.error or next((s.error for s in self.seqs if s.error), None)
         cached = self.seqs[0].num_cached_tokens if self.seqs else 0
-        return RequestDelta(self.request_id, seqs, self.finished, error, cached)
+        return RequestDelta(self.request_id, seqs, self.finished, error, cached, self._prompt_logprobs())
+
+    def _prompt_logprobs(self) -> PromptLogprobs | None:
+        """The prompt's log-probs, once: in the delta that carries its first sampled token."""
+        first = self.seqs[0] if self.seqs else None
+        if first is None or first.reported_prompt_logprobs or self.sampling_params.prompt_logprobs is None:
+            return None
+        if len(first.token_ids) <= first.num_prompt_tokens or not first.has_prompt_logprobs:
+            return None  # the prompt is not computed yet (or, a fork's, never by this engine)
+        first.reported_prompt_logprobs = True
+        return first.prompt_logprobs or PromptLogprobs()  # a one-token prompt has none

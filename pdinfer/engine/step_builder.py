@@ -16,8 +16,9 @@ class StepBuilder:
         self.next_step_id = 0
         self.last_sample: dict[int, tuple[int, int]] = {}  # seq_id -> (step id, sample index)
 
-    def build(self, plan: SchedulerOutputs) -> tuple[StepInput, list[tuple[Sequence, int]]]:
-        """The step input, and for each sample the sequence it belongs to and which copy it is."""
+    def build(self, plan: SchedulerOutputs) -> tuple[StepInput, list[tuple[Sequence, int]], list[tuple[Sequence, int]]]:
+        """The step input; for each sample the sequence it belongs to and which copy it is; and
+        the sequences whose prompt log-probs the step computes, with their number of rows."""
         step_id = self.next_step_id
         self.next_step_id += 1
         inp = StepInput(
@@ -32,9 +33,29 @@ class StepBuilder:
             clone_states=list(plan.clone_states),
         )
         owners: list[tuple[Sequence, int]] = []
+        prompt_owners: list[tuple[Sequence, int]] = []
         for seq, num_tokens, do_sample in zip(plan.scheduled_seqs, plan.num_scheduled_tokens, plan.do_sample):
+            if plan.prompt_run and seq.needs_prompt_logprobs:
+                self._add_prompt_rows(inp, prompt_owners, seq, num_tokens)
             self._add_seq(inp, owners, seq, num_tokens, do_sample)
-        return inp, owners
+        return inp, owners, prompt_owners
+
+    @staticmethod
+    def _add_prompt_rows(inp: StepInput, prompt_owners: list, seq: Sequence, num_tokens: int) -> None:
+        """The rows of this chunk that score a prompt token: position p scores token p + 1.
+        Computed in order from token 1; a chunk that does not continue them adds none."""
+        end = seq.num_computed_tokens
+        start = end - num_tokens
+        done = seq.num_prompt_logprobs_scheduled
+        last = min(end, seq.num_prompt_tokens - 1)  # the prompt's last row scores an output token
+        if not start <= done < last:
+            return
+        first_row = len(inp.input_ids) + done - start
+        inp.prompt_rows.extend(range(first_row, first_row + last - done))
+        inp.prompt_targets.extend(seq.prompt_token_ids[done + 1 : last + 1])
+        inp.prompt_top_k = max(inp.prompt_top_k, seq.sampling_params.prompt_logprobs or 0)
+        prompt_owners.append((seq, last - done))
+        seq.num_prompt_logprobs_scheduled = last
 
     def _add_seq(self, inp: StepInput, owners: list, seq: Sequence, num_tokens: int, do_sample: bool) -> None:
         end = seq.num_computed_tokens  # already advanced by the scheduler

@@ -107,8 +107,8 @@ class KVStoreAgent:
         for seq in list(scheduler.waiting):
             if budget <= 0:
                 break
-            if seq.block_table or seq.num_computed_tokens or seq.num_pending_tokens:
-                continue  # a chunked prefill under way, or not settled yet
+            if seq.block_table or seq.num_computed_tokens or seq.num_pending_tokens or seq.needs_prompt_logprobs:
+                continue  # a chunked prefill under way, not settled yet, or taking no cached prefix
             if seq.seq_id in self._looked_up or seq.num_tokens > scheduler.config.prompt_limit:
                 continue
             self._looked_up.add(seq.seq_id)

@@ -33,6 +33,7 @@ from pdinfer.serving.frontend import (
     sse_response,
 )
 from pdinfer.serving.metrics import RequestTimer, ServerMetrics
+from pdinfer.serving.prompt_echo import PromptEcho
 from pdinfer.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 
 logger = logging.getLogger("pdinfer")
@@ -198,8 +199,10 @@ class OpenAIServer:
     async def _respond(
         self, gen: _Generation, body, request: Request, prompts: list[dict], logprobs: int | None, chat: bool
     ):
+        tokenizer = self.engine.tokenizer
+        echo = PromptEcho.of(body, tokenizer, [stream.tracker for stream in gen.streams], logprobs)
         fmt = ResponseFormat(
-            self.engine.tokenizer,
+            tokenizer,
             self.model_name,
             gen.streams[0].request_id,
             chat,
@@ -208,6 +211,7 @@ class OpenAIServer:
             body.tool_request() if chat else None,
             self.prompts.tool_format(),
             body.n,
+            prompt_echo=echo,
         )
         if body.stream:
             chunks = (fmt.chunk(d) async for d in self._deltas(gen))

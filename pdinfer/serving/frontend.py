@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import msgspec
 import uvicorn
@@ -30,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdinfer.engine.output_tracker import ChoiceDelta
 from pdinfer.serving import protocol, tools
+from pdinfer.serving.prompt_echo import PromptEcho
 from pdinfer.serving.protocol import APIError, ChatCompletionRequest, bad_request
 
 _json_encode = msgspec.json.Encoder().encode
@@ -280,8 +282,10 @@ class ResponseFormat:
         tool_request: tools.ToolRequest | None = None,
         tool_format: str = tools.HERMES,
         n: int = 1,
+        prompt_echo: PromptEcho | None = None,
     ):
         self.tokenizer = tokenizer
+        self.prompt_echo = prompt_echo  # echo and prompt_logprobs (prompt_echo.py); None: neither
         self.chat = chat
         self.num_logprobs = logprobs
         # ``return_token_ids`` (vLLM's shape): each choice (or chunk) lists its tokens, and the
@@ -336,7 +340,7 @@ class ResponseFormat:
                 delta["tool_calls"] = step.calls
             if not delta and not finish_reason and logprobs is None and not self.return_token_ids:
                 return None
-        head = self.chunk_head
+        head: dict[str, Any] = self.chunk_head
         if self.prompt_token_ids is not None and not self._started:  # the response's first chunk
             head = {**head, "prompt_token_ids": self.prompt_token_ids[0]}
         self._started.add(d.index)
@@ -358,13 +362,20 @@ class ResponseFormat:
         finals = sorted(finals, key=lambda d: d.index)
         if self.chat:
             choices = [self._chat_choice(d) for d in finals]
-            if self.prompt_token_ids is not None:
-                return {**self.head, "choices": choices, "usage": usage, "prompt_token_ids": self.prompt_token_ids[0]}
         else:
             choices = [self._completion_choice(d, True) for d in finals]
-        return {**self.head, "choices": choices, "usage": usage}
+        if self.prompt_echo is not None:
+            usage = self.prompt_echo.usage(usage)
+        body: dict[str, Any] = {**self.head, "choices": choices, "usage": usage}
+        if self.chat and self.prompt_token_ids is not None:
+            body["prompt_token_ids"] = self.prompt_token_ids[0]
+        if self.chat and self.prompt_echo is not None:
+            self.prompt_echo.chat_body(body)
+        return body
 
     def usage_chunk(self, usage: dict) -> dict:
+        if self.prompt_echo is not None:
+            usage = self.prompt_echo.usage(usage)
         return {**self.chunk_head, "choices": [], "usage": usage}
 
     def _chat_choice(self, d: Delta) -> dict:
@@ -407,6 +418,8 @@ class ResponseFormat:
         }
         if first and self.prompt_token_ids is not None:
             choice["prompt_token_ids"] = self.prompt_token_ids[d.index // self.n]
+        if self.prompt_echo is not None:
+            self.prompt_echo.completion_choice(choice)
         return choice
 
     def _ids(self, d: Delta) -> dict:
@@ -466,10 +479,22 @@ async def run_unless_disconnected(request: Request, awaitable):
         task.cancel()
 
 
+# An idle keep-alive connection stays open this long (uvicorn's default is 5 s). A router's
+# client pool forgets its idle connections sooner (``CLIENT_KEEP_ALIVE_S``), so it never sends a
+# request on a connection the engine is closing at that moment (which fails the request).
+KEEP_ALIVE_S = 30
+CLIENT_KEEP_ALIVE_S = 10
+
+
 def http_server(app: FastAPI, host: str, port: int) -> uvicorn.Server:
     """The uvicorn server of a front end; its own logging only when pdinfer's is at DEBUG."""
     debug = logging.getLogger("pdinfer").getEffectiveLevel() <= logging.DEBUG
     config = uvicorn.Config(
-        app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info" if debug else "warning"
+        app,
+        host=host,
+        port=port,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        log_level="info" if debug else "warning",
     )
     return uvicorn.Server(config)

@@ -105,6 +105,7 @@ class Engine:
     queued_tokens: list[int] = field(default_factory=lambda: [0] * (len(BUCKET_BOUNDS_TOKENS) + 1))
     last_pick: int = 0
     prefix: PrefixIndex | None = None
+    last_heard_s: float = float("-inf")  # monotonic time of the last bytes its streams sent us
 
     @property
     def total_queued_tokens(self) -> int:

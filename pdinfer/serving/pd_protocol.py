@@ -4,7 +4,8 @@
                   SSE: first event {"reservation": {...}}, then {"outputs": [...deltas], ...}
                   503 at once when the CE has no room (back-pressure: pick another CE)
     router -> PE  POST /pd/prefill  {request_id, prompt_token_ids, sampling, reservation}
-                  200 {"first_tokens": [...], "handoff_s": x} once the CE confirmed the K/V;
+                  200 {"first_tokens": [...], "handoff_s": x} once the CE confirmed the K/V
+                  (with "prompt_logprobs": ``PromptLogprobs`` as a list when they were asked);
                   4xx/5xx with an OpenAI-shaped error otherwise
 
 Sampling parameters travel as a dict of ``SamplingParams`` fields, rebuilt and validated on
@@ -21,6 +22,7 @@ import msgspec
 from pydantic import BaseModel, Field
 
 from pdinfer.engine.pd_common import Reservation
+from pdinfer.outputs import PromptLogprobs
 from pdinfer.sampling_params import SamplingParams
 
 _FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
@@ -79,6 +81,17 @@ _event_decoder = msgspec.json.Decoder(DecodeEvent)
 
 def encode_event(event: DecodeEvent) -> bytes:
     return b"data: " + _event_encoder.encode(event) + b"\n\n"
+
+
+def prompt_logprobs_of(answer: dict[str, Any]) -> PromptLogprobs | None:
+    """The prompt log-probs of a PE's /pd/prefill answer; ``ValueError`` for a malformed one."""
+    value = answer.get("prompt_logprobs")
+    if value is None:
+        return None
+    try:
+        return msgspec.convert(value, PromptLogprobs)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"malformed prompt_logprobs from the prefill engine: {exc}") from None
 
 
 def decode_event(data: bytes | str) -> DecodeEvent:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
@@ -93,7 +94,10 @@ class PDEndpoints:
                 type="server_error",
                 code="handoff_failed",
             )
-        return {"first_tokens": first_tokens, "handoff_s": time.monotonic() - start}
+        answer = {"first_tokens": first_tokens, "handoff_s": time.monotonic() - start}
+        if stream.tracker.prompt_logprobs is not None:  # the router relays them to the client
+            answer["prompt_logprobs"] = msgspec.to_builtins(stream.tracker.prompt_logprobs)
+        return answer
 
     def _require(self, role: EngineType) -> None:
         if self.engine.role is not role:

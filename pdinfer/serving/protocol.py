@@ -128,6 +128,7 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool = True  # extra
     include_stop_str_in_output: bool = False  # extra
     return_token_ids: bool = False  # extra (vLLM's name): each choice also carries "token_ids"
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # extra (vLLM's); shape: prompt_echo.py
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # extra (vLLM's name): json/regex/choice/grammar
@@ -188,9 +189,13 @@ class _GenerationRequest(BaseModel):
     def continuous_usage(self) -> bool:
         return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         if self.n > MAX_N:
             raise bad_request(f"n must be at most {MAX_N}, got {self.n}", param="n")
+        if self.prompt_logprobs is not None and self.stream:  # vLLM's rule: a chunk has no place for them
+            raise bad_request("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
         values: dict[str, Any] = {
@@ -201,6 +206,7 @@ class _GenerationRequest(BaseModel):
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": self.logit_bias,
@@ -242,13 +248,22 @@ class CompletionRequest(_GenerationRequest):
             raise bad_request("tools are only available on /v1/chat/completions", param="tools")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", param="best_of", code="not_supported")
-        if self.echo:
-            raise bad_request("echo is not supported", param="echo")
         if self.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        # echo: the prompt leads each choice, with its tokens' log-probs when logprobs is set;
+        # max_tokens 0 (echo only) scores the prompt: one token is sampled and not shown.
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        max_tokens = 1 if self.scoring_only else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+    @property
+    def scoring_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt alone (OpenAI's scoring idiom)."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt of the batch: text or token ids."""
@@ -360,7 +375,7 @@ class ChatCompletionRequest(_GenerationRequest):
                 )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens or self.max_tokens  # None: up to the context
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
 
 
 # --- responses (plain dicts: cheaper than models on the streaming path) -----------------------------

@@ -27,8 +27,10 @@ import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdinfer.outputs import PromptLogprobs
 from pdinfer.serving import protocol
 from pdinfer.serving.frontend import (
+    CLIENT_KEEP_ALIVE_S,
     DEFAULT_MAX_BODY_BYTES,
     BodyLimit,
     Delta,
@@ -46,6 +48,7 @@ from pdinfer.serving.load_balancer import (
     PrefillBalancer,
 )
 from pdinfer.serving.pd_protocol import OutputDelta, sampling_to_dict
+from pdinfer.serving.prompt_echo import PromptEcho
 from pdinfer.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from pdinfer.serving.router_pd import PDDriver, PDJob
 from pdinfer.serving.router_pool import EnginePool, RouterMetrics
@@ -109,6 +112,22 @@ class _Choice:
 
 
 @dataclass
+class _Prompt:
+    """One prompt of a request as its answer shows it (a ``prompt_echo.PromptSource``)."""
+
+    job: PDJob
+    prompt: str | None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.job.token_ids
+
+    @property
+    def prompt_logprobs(self) -> PromptLogprobs | None:
+        return self.job.prompt_logprobs
+
+
+@dataclass
 class _Generation:
     """The P/D jobs behind one HTTP request (one per prompt), feeding one queue."""
 
@@ -119,6 +138,7 @@ class _Generation:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Future] = field(default_factory=list)
     choices: dict[int, _Choice] = field(default_factory=dict)
+    prompts: list[_Prompt] = field(default_factory=list)
 
     def usage(self) -> dict[str, int]:
         completion = sum(c.num_tokens for c in self.choices.values())
@@ -150,7 +170,10 @@ class Router:
         self.metrics = RouterMetrics(model_name)
         headers = {"Authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else None
         self.client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256), headers=headers
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=256, keepalive_expiry=CLIENT_KEEP_ALIVE_S
+            ),
+            headers=headers,
         )
         engines = (
             [Engine(u, "prefill") for u in config.prefill_urls]
@@ -226,6 +249,7 @@ class Router:
                 code="no_engine",
             )
         gen = self._start(prefix, prompts, params, whole=not body.stream)
+        echo = PromptEcho.of(body, self.tokenizer, gen.prompts, params.logprobs)
         fmt = ResponseFormat(
             self.tokenizer,
             self.model_name,
@@ -236,6 +260,7 @@ class Router:
             body.tool_request() if chat else None,
             self.prompts.tool_format(),
             body.n,
+            prompt_echo=echo,
         )
         if body.stream:
             chunks = (fmt.chunk(d) async for d in self._deltas(gen))
@@ -251,6 +276,7 @@ class Router:
         sampling = sampling_to_dict(params)
         for i, prompt in enumerate(prompts):
             job = PDJob(i, f"{gen.request_id}-{i}", list(prompt["prompt_token_ids"]), sampling, gen.queue)
+            gen.prompts.append(_Prompt(job, prompt.get("prompt")))
             gen.tasks.append(asyncio.ensure_future(self.driver.drive(job)))
         return gen
 
@@ -287,23 +313,44 @@ class Router:
     async def _proxy_normal(self, request: Request, path: str, body, num_tokens: int) -> Response | None:
         """The answer of the first NORMAL engine that takes the request; None if none does."""
         payload = body.model_dump(exclude_unset=True)
+        refusal: Response | None = None
         for engine in self.normal_lb.candidates():
             assignment = self.normal_lb.assign(engine, num_tokens)
-            upstream = self.client.build_request(
-                "POST", engine.url + path, json=payload, timeout=httpx.Timeout(self.config.engine_timeout_s, connect=5)
-            )
-            try:  # a client that leaves while the engine works on a whole answer cancels it
-                resp = await run_unless_disconnected(request, self.client.send(upstream, stream=True))
-            except APIError:  # the client left: the engine's request was cancelled with it
+            resp = None
+            for attempt in (0, 1):
+                upstream = self.client.build_request(
+                    "POST",
+                    engine.url + path,
+                    json=payload,
+                    timeout=httpx.Timeout(self.config.engine_timeout_s, connect=5),
+                )
+                try:  # a client that leaves while the engine works on a whole answer cancels it
+                    resp = await run_unless_disconnected(request, self.client.send(upstream, stream=True))
+                    break
+                except APIError:  # the client left: the engine's request was cancelled with it
+                    assignment.release()
+                    raise
+                except httpx.HTTPError as exc:
+                    # A connection that broke before the answer (a pooled one the engine closed
+                    # under us, a reset) is tried once more on a new one; anything else, or a
+                    # second failure, takes the engine out of rotation.
+                    if attempt or not isinstance(exc, _RETRYABLE):
+                        self.pool.eject(engine, f"{path} failed ({type(exc).__name__})")
+                        break
+            if resp is None:
                 assignment.release()
-                raise
-            except httpx.HTTPError as exc:
-                assignment.release()
-                self.pool.eject(engine, f"{path} failed ({type(exc).__name__})")
                 continue
             if resp.status_code >= 500:  # overloaded or failing: someone else
                 assignment.release()
-                await resp.aclose()
+                try:
+                    content = await resp.aread()
+                    refusal = Response(
+                        content, resp.status_code, _relayed_headers(resp), resp.headers.get("content-type")
+                    )
+                except httpx.HTTPError:
+                    pass
+                finally:
+                    await resp.aclose()
                 continue
             self.metrics.routed.labels(engine=engine.url, role=engine.role).inc()
             if body.stream and resp.status_code == 200:
@@ -318,11 +365,15 @@ class Router:
                 assignment.release()
                 self._close_later(resp)
             return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
-        return None
+        # Every engine refused: without P/D engines to try, the client gets the last refusal
+        # (an overloaded engine's 503 and its Retry-After) rather than a vaguer one of ours.
+        return refusal if not self.pool.pd_servable else None
 
     async def _relay_raw(self, resp: httpx.Response, assignment) -> AsyncIterator[bytes]:
+        engine = assignment.engine
         try:
             async for chunk in resp.aiter_raw():
+                engine.last_heard_s = time.monotonic()
                 yield chunk
         except httpx.HTTPError as exc:
             error = APIError(502, f"the engine failed mid-stream: {exc!r}", type="server_error", code="engine_failed")
@@ -381,6 +432,13 @@ class Router:
         finally:
             health.cancel()
             await self.client.aclose()
+
+
+_RETRYABLE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+def _relayed_headers(resp: httpx.Response) -> dict[str, str]:
+    return {"Retry-After": resp.headers["retry-after"]} if "retry-after" in resp.headers else {}
 
 
 def build_router_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:

@@ -4,6 +4,9 @@ command starts without importing the web stack)."""
 from __future__ import annotations
 
 import argparse
+import signal
+import socket
+import subprocess
 import sys
 
 from pdinfer.cli_args import parse_size, positive_int, served_model_name
@@ -97,13 +100,21 @@ def add_router_parser(subparsers) -> None:
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies are answered 413 (default 8MiB)",
     )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="router processes sharing the port (each balances its own share of the requests, "
+        "with its own health checks); more than one when one core cannot relay every token",
+    )
+    p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # a worker's inherited socket
     p.set_defaults(func=run_router)
 
 
 def run_router(args: argparse.Namespace) -> int:
     from pdinfer import env
     from pdinfer.models.loader import load_tokenizer, resolve_model
-    from pdinfer.serving.frontend import http_server
+    from pdinfer.serving.api_process import listening_socket, serve_on, stop_api_servers
     from pdinfer.serving.router import Router, RouterConfig, build_router_app
 
     try:
@@ -129,12 +140,41 @@ def run_router(args: argparse.Namespace) -> int:
     name = args.served_model_name or served_model_name(args.model)
     router = Router(config, name, tokenizer, hf_config.get("vocab_size"), hf_config.get("max_position_embeddings"))
     app = build_router_app(router, args.max_body_bytes)
-    server = http_server(app, args.host, args.port)
+    if args.listen_fd is not None:  # a worker: its parent bound the socket and announced it
+        env.set_parent_death_signal(signal.SIGTERM)
+        serve_on(app, socket.socket(fileno=args.listen_fd))
+        return 0
+    try:
+        sock = listening_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"pdinfer router: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    workers = _start_workers(sock, args.workers)
     print(
         f"pdinfer router: {name} on http://{args.host}:{args.port} ({len(config.prefill_urls)} "
-        f"prefill, {len(config.decode_urls)} decode, {len(config.normal_urls)} normal)",
+        f"prefill, {len(config.decode_urls)} decode, {len(config.normal_urls)} normal"
+        + (f"; {args.workers} workers" if args.workers > 1 else "")
+        + ")",
         file=sys.stderr,
         flush=True,
     )
-    server.run()
+    try:
+        serve_on(app, sock)
+    finally:
+        stop_api_servers(workers)
     return 0
+
+
+def _start_workers(sock: socket.socket, count: int) -> list[subprocess.Popen]:
+    """Workers 1 .. count-1 (this process is worker 0): the same command on the shared socket."""
+    from pdinfer import env
+
+    argv = [a for a in sys.argv[1:]]
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "pdinfer.cli", *argv, "--workers", "1", "--listen-fd", str(sock.fileno())],
+            pass_fds=(sock.fileno(),),
+            env=env.child_environ(),
+        )
+        for _ in range(1, count)
+    ]

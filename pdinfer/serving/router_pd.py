@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pdinfer.outputs import PromptLogprobs
 from pdinfer.serving.load_balancer import Assignment, DecodeBalancer, Engine, PrefillBalancer
-from pdinfer.serving.pd_protocol import DecodeEvent, OutputDelta, decode_event
+from pdinfer.serving.pd_protocol import DecodeEvent, OutputDelta, decode_event, prompt_logprobs_of
 from pdinfer.serving.protocol import APIError
 from pdinfer.serving.router_pool import EnginePool, RouterMetrics
 
@@ -53,6 +54,11 @@ class PDJob:
     attempt: int = 0
     first_token_s: float | None = None
     num_tokens: int = 0  # the longest choice so far
+    prompt_logprobs: PromptLogprobs | None = None  # from the PE, before any output is delivered
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling.get("prompt_logprobs") is not None
 
     def deliver(self, outputs: list[OutputDelta]) -> None:
         self.queue.put_nowait((self.index, "outputs", outputs))
@@ -142,7 +148,7 @@ class PDDriver:
             self.metrics.routed.labels(engine=ce.url, role=ce.role).inc()
             self.metrics.routed.labels(engine=prefill.engine.url, role="prefill").inc()
             tasks = [
-                asyncio.ensure_future(self._read(lines, events)),
+                asyncio.ensure_future(self._read(ce, lines, events)),
                 asyncio.ensure_future(self._prefill(prefill, body, reservation, events)),
             ]
             await self._relay(job, ce, decode, events)
@@ -215,9 +221,10 @@ class PDDriver:
         excluded.add(ce.url)
         return None
 
-    async def _read(self, lines, events: asyncio.Queue) -> None:
+    async def _read(self, ce: Engine, lines, events: asyncio.Queue) -> None:
         try:
             async for line in lines:
+                ce.last_heard_s = time.monotonic()
                 if line.startswith("data: "):
                     events.put_nowait(("event", decode_event(line[6:])))
             events.put_nowait(("ce_failed", "its stream ended before the request finished"))
@@ -245,7 +252,10 @@ class PDDriver:
             prefill.release()
         if resp.status_code == 200:
             self.metrics.handoff_latency.observe(time.monotonic() - start)
-            events.put_nowait(("prefilled", None))
+            try:
+                events.put_nowait(("prefilled", prompt_logprobs_of(resp.json())))
+            except ValueError as exc:  # a PE of another version
+                events.put_nowait(("prefill_failed", Retry("handoff_failed", f"prefill on {pe.url}: {exc}", pe.url)))
             return
         error, _ = _error(resp, resp.content)
         # The CE accepted this request, so a 4xx here is the PE's disagreement (another
@@ -256,12 +266,24 @@ class PDDriver:
         events.put_nowait(("prefill_failed", Retry("handoff_failed", f"prefill on {pe.url}: {error}", exclude)))
 
     async def _relay(self, job: PDJob, ce: Engine, decode: Assignment, events: asyncio.Queue) -> None:
+        # Prompt log-probs come in the PE's answer: the CE's events wait for it, so they lead.
+        held: list[DecodeEvent] | None = [] if job.wants_prompt_logprobs else None
         while True:
             kind, item = await events.get()
+            if kind == "prefilled" and held is not None:
+                if item is None:
+                    raise Retry("handoff_failed", "the prefill engine answered without the prompt log-probs")
+                job.prompt_logprobs, waiting, held = item, held, None
+                for event in waiting:
+                    if self._on_event(job, decode, event):
+                        return
+                continue
             if kind == "prefilled" or (kind == "prefill_failed" and job.streamed):
                 continue  # once tokens flow, the CE holds the K/V: the PE's answer is moot
             if kind == "prefill_failed":
                 raise item
+            if kind == "ce_failed" and held and held[-1].finished:
+                continue  # the CE is done (its stream ended); its events wait for the PE's answer
             if kind == "ce_failed":
                 self.pool.eject(ce, str(item))
                 if not job.streamed:
@@ -272,7 +294,9 @@ class PDDriver:
                     type="server_error",
                     code="engine_failed",
                 )
-            if self._on_event(job, decode, item):
+            if held is not None:
+                held.append(item)
+            elif self._on_event(job, decode, item):
                 return
 
     def _on_event(self, job: PDJob, decode: Assignment, event: DecodeEvent) -> bool:

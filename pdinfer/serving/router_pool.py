@@ -4,13 +4,16 @@ router's Prometheus metrics.
 An engine is admitted when its ``/health`` answers 200 (its ``/v1/models`` tells the context
 length). It is ejected at once when a connection to it is refused or breaks (on the request
 path or in a health check) or its ``/health`` answers an error, and after ``_MAX_SLOW_CHECKS``
-checks in a row that time out (a busy engine on a small machine may answer late now and then).
+checks in a row that time out (a busy engine on a small machine may answer late now and then)
+while none of its streams sent the router anything: under load a late answer is usually the
+router's own busy event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 from prometheus_client import (
@@ -132,6 +135,11 @@ class EnginePool:
         try:
             resp = await self.client.get(f"{engine.url}/health", timeout=_HEALTH_TIMEOUT_S)
         except httpx.TimeoutException:
+            if time.monotonic() - engine.last_heard_s < _HEALTH_TIMEOUT_S + self.interval_s:
+                # Its streams are flowing: the late answer is this router's busy event loop
+                # (or the engine's), not a dead engine. Ejecting it would fail live requests.
+                self._slow_checks[engine.url] = 0
+                return
             slow = self._slow_checks[engine.url] = self._slow_checks.get(engine.url, 0) + 1
             if slow >= _MAX_SLOW_CHECKS:
                 self.eject(engine, f"{slow} health checks in a row timed out")

@@ -146,7 +146,7 @@ def _check_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
         description = fn.get("description")
         if description is not None and not isinstance(description, str):
             raise bad_request(f"{where}.function.description must be a string", param="tools")
-        clean = {"name": name}
+        clean: dict[str, Any] = {"name": name}
         if description is not None:
             clean["description"] = description
         clean["parameters"] = params if params is not None else {"type": "object", "properties": {}}
@@ -257,7 +257,7 @@ def _call_from_json(text: str, name_keys: tuple[str, ...], args_keys: tuple[str,
     if not isinstance(obj, dict):
         return None
     name = next((obj[k] for k in name_keys if k in obj), None)
-    args = next((obj[k] for k in args_keys if k in obj), {})
+    args: Any = next((obj[k] for k in args_keys if k in obj), {})
     if not isinstance(name, str) or not name:
         return None
     if isinstance(args, str):  # some models write the arguments as JSON text

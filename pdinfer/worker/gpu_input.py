@@ -44,6 +44,9 @@ class GpuStep:
     pending_penalty: list[tuple[int, int, int, int]] = field(default_factory=list)
     clone_src: torch.Tensor | None = None
     clone_dst: torch.Tensor | None = None
+    # prompt log-probs: rows of the hidden states that score a prompt token, and that token
+    prompt_rows: torch.Tensor | None = None
+    prompt_targets: torch.Tensor | None = None
 
 
 class _Packer:
@@ -120,6 +123,7 @@ class GpuInputBuilder:
         i_pending = self._pack_pending(p, inp)
         i_sampling = self._pack_sampling(p, inp)
         i_clone = p.add(np.asarray(inp.clone_blocks, dtype=np.int64).reshape(-1, 2)) if inp.clone_blocks else None
+        i_prompt = (p.add(inp.prompt_rows), p.add(inp.prompt_targets)) if inp.prompt_rows else None
 
         dev = p.ship(self.device)
         if prefill is None:  # a decode step
@@ -152,6 +156,8 @@ class GpuInputBuilder:
         )
         if i_clone is not None:
             step.clone_src, step.clone_dst = dev[i_clone][:, 0], dev[i_clone][:, 1]
+        if i_prompt is not None:
+            step.prompt_rows, step.prompt_targets = dev[i_prompt[0]], dev[i_prompt[1]]
         return step
 
     def _pack_pending(self, p: _Packer, inp: StepInput) -> list[tuple[int, int, int]]:

@@ -21,7 +21,7 @@ from pdinfer.layers.attention.triton_paged import use_triton_attention
 from pdinfer.models.llama import LlamaForCausalLM
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
 from pdinfer.worker.gpu_input import GpuInputBuilder, GpuStep
-from pdinfer.worker.sampler import SamplerOutput
+from pdinfer.worker.sampler import SamplerOutput, score_prompt
 from pdinfer.worker.step_input import StepInput, StepResult
 
 if TYPE_CHECKING:
@@ -30,7 +30,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pdinfer")
 
-_RESULT_FIELDS = ("token_ids", "logprobs", "top_ids", "top_logprobs")
+_RESULT_FIELDS = (
+    "token_ids",
+    "logprobs",
+    "top_ids",
+    "top_logprobs",
+    "prompt_logprobs",
+    "prompt_ranks",
+    "prompt_top_ids",
+    "prompt_top_logprobs",
+)
 
 
 class PendingStepResult:
@@ -57,13 +66,8 @@ class PendingStepResult:
         if self.event is not None:
             self.event.synchronize()  # releases the GIL while the device finishes
         lists = {name: t.tolist() for name, t in self.host.items()}
-        return StepResult(
-            step_id=self.step_id,
-            token_ids=lists.get("token_ids", []),
-            logprobs=lists.get("logprobs"),
-            top_ids=lists.get("top_ids"),
-            top_logprobs=lists.get("top_logprobs"),
-        )
+        token_ids = lists.pop("token_ids", [])
+        return StepResult(step_id=self.step_id, token_ids=token_ids, **lists)
 
 
 class DeviceStepFuture:
@@ -128,7 +132,8 @@ class GpuStepRunner:
         cache, graphs, builder = self.runner.require_cache(), self.graphs, self.builder
         if builder is None:
             raise RuntimeError("init_cache first")
-        bucket = graphs.bucket_for(inp) if graphs is not None else None
+        # A graph keeps only the sampled rows' logits: prompt log-probs run eagerly.
+        bucket = graphs.bucket_for(inp) if graphs is not None and not inp.prompt_rows else None
         splits = graphs.num_splits(bucket) if graphs is not None and bucket is not None else None
         step = builder.build(inp, pad_to=bucket, num_splits=splits)
         start = self._mark()
@@ -136,6 +141,7 @@ class GpuStepRunner:
             cache.kv.index_copy_(0, step.clone_dst, cache.kv.index_select(0, step.clone_src))
         if inp.num_tokens == 0:
             return PendingStepResult(inp.step_id, None)
+        hidden = None
         if graphs is not None and bucket is not None:
             logits = graphs.run(step, self._fill_pending)
         else:
@@ -146,6 +152,9 @@ class GpuStepRunner:
             logits = logits.index_select(0, step.sample_rows)
         self._fill_pending_penalty(step)
         out = self.runner.sampler(logits, step.sampling)
+        if hidden is not None and step.prompt_rows is not None and step.prompt_targets is not None:
+            prompt_hidden = hidden.index_select(0, step.prompt_rows)
+            score_prompt(self.model.compute_logits, prompt_hidden, step.prompt_targets, inp.prompt_top_k, out)
         self._recent[inp.step_id] = out.token_ids
         while len(self._recent) > 4:
             self._recent.popitem(last=False)

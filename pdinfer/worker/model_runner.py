@@ -11,7 +11,6 @@ import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -29,7 +28,7 @@ from pdinfer.models.spec import ModelSpec
 from pdinfer.moe.sharding import needs_sharding, shard_experts
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
 from pdinfer.worker.input_builder import build_attention_metadata, build_sampling_tensors
-from pdinfer.worker.sampler import Sampler, SamplerOutput
+from pdinfer.worker.sampler import Sampler, SamplerOutput, score_prompt
 from pdinfer.worker.step_input import StepInput, StepResult
 
 if TYPE_CHECKING:
@@ -195,15 +194,21 @@ class ModelRunner:
         if inp.pending:
             self._fill_pending(input_ids, inp)
         positions = torch.tensor(inp.positions, dtype=torch.int64, device=self.device)
+        keep = [s.row for s in inp.samples] + inp.prompt_rows
         # Not with expert parallelism: every rank must run the same number of forwards.
         if inp.is_prompt and inp.num_tokens > PREFILL_SUBBATCH_TOKENS and self.dispatcher is None:
-            logits = self._prefill_in_subbatches(inp, input_ids, positions)
+            hidden = self._prefill_in_subbatches(inp, input_ids, positions, keep)
         else:
-            logits = self._forward(inp, input_ids, positions)
+            hidden = self._forward(inp, input_ids, positions, keep)
+        num_samples = len(inp.samples)
+        logits = self.model.compute_logits(hidden[:num_samples])
         tensors = build_sampling_tensors(inp.samples, self.spec.vocab_size, self.device)
         if tensors.output_tokens is not None and inp.pending:
             self._fill_pending_penalty_tokens(tensors.output_tokens, inp)
         out = self.sampler(logits, tensors)
+        if inp.prompt_rows:
+            targets = torch.tensor(inp.prompt_targets, dtype=torch.int64, device=self.device)
+            score_prompt(self.model.compute_logits, hidden[num_samples:], targets, inp.prompt_top_k, out)
         self._recent[inp.step_id] = out.token_ids
         while len(self._recent) > 4:
             self._recent.popitem(last=False)
@@ -215,30 +220,32 @@ class ModelRunner:
         for layer in self.moe_layers:
             layer(empty)
 
-    def _forward(self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits of the rows ``inp.samples`` name, in their order."""
+    def _forward(
+        self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor, keep: list[int]
+    ) -> torch.Tensor:
+        """Last-layer hidden states of the rows ``keep`` names, in its order."""
         kv = self.require_cache().kv
         model_meta = getattr(self.model, "build_attention_metadata", None)  # a model's own cache layout (MLA)
         meta = model_meta(inp, kv) if model_meta is not None else build_attention_metadata(inp, kv, self.native_kernels)
-        sample_rows = [s.row for s in inp.samples]
-        if sample_rows == list(range(inp.num_tokens)):  # a decode step: every row is sampled
-            hidden = self.model(input_ids, positions, kv, meta)
-        else:  # only the sampled rows leave the last layer
-            rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-            hidden = self.model(input_ids, positions, kv, meta, keep_rows=rows)
-        return self.model.compute_logits(hidden)
+        if keep == list(range(inp.num_tokens)):  # a decode step: every row is sampled
+            return self.model(input_ids, positions, kv, meta)
+        # only the kept rows leave the last layer
+        rows = torch.tensor(keep, dtype=torch.int64, device=self.device)
+        return self.model(input_ids, positions, kv, meta, keep_rows=rows)
 
-    def _prefill_in_subbatches(self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _prefill_in_subbatches(
+        self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor, keep: list[int]
+    ) -> torch.Tensor:
         """A large prefill step as several forwards over whole sequences (same results)."""
         parts, order = [], []
-        for sub, lo, sample_ids in _prefill_subbatches(inp, PREFILL_SUBBATCH_TOKENS):
+        for sub, lo, picked in _prefill_subbatches(inp, PREFILL_SUBBATCH_TOKENS, keep):
             hi = lo + sub.num_tokens
-            parts.append(self._forward(sub, input_ids[lo:hi], positions[lo:hi]))
-            order += sample_ids
-        logits = torch.cat(parts)
+            parts.append(self._forward(sub, input_ids[lo:hi], positions[lo:hi], [keep[i] - lo for i in picked]))
+            order += picked
+        hidden = torch.cat(parts)
         if order != list(range(len(order))):
-            logits = logits[torch.tensor(order).argsort()]
-        return logits
+            hidden = hidden[torch.tensor(order).argsort()]
+        return hidden
 
     def _pending_token(self, step_id: int, index: int) -> torch.Tensor:
         tokens = self._recent.get(step_id)
@@ -257,9 +264,9 @@ class ModelRunner:
                 tokens[i, len(spec.output_tokens) - 1] = self._pending_token(*pending_of_row[spec.row])
 
 
-def _prefill_subbatches(inp: StepInput, max_tokens: int):
-    """(sub-step, its first row, indices of its samples in ``inp.samples``) over whole sequences
-    of about ``max_tokens`` tokens each (a longer sequence goes alone)."""
+def _prefill_subbatches(inp: StepInput, max_tokens: int, keep: list[int]):
+    """(sub-step, its first row, indices into ``keep`` of its rows) over whole sequences of
+    about ``max_tokens`` tokens each (a longer sequence goes alone)."""
     bounds, start, tokens = [], 0, 0
     for i, qlen in enumerate(inp.query_lens):
         if tokens and tokens + qlen > max_tokens:
@@ -270,7 +277,7 @@ def _prefill_subbatches(inp: StepInput, max_tokens: int):
     row = 0
     for first, end in bounds:
         num_rows = sum(inp.query_lens[first:end])
-        picked = [i for i, s in enumerate(inp.samples) if row <= s.row < row + num_rows]
+        picked = [i for i, r in enumerate(keep) if row <= r < row + num_rows]
         yield (
             StepInput(
                 step_id=inp.step_id,
@@ -280,7 +287,6 @@ def _prefill_subbatches(inp: StepInput, max_tokens: int):
                 query_lens=inp.query_lens[first:end],
                 context_lens=inp.context_lens[first:end],
                 block_tables=inp.block_tables[first:end],
-                samples=[replace(inp.samples[i], row=inp.samples[i].row - row) for i in picked],
             ),
             row,
             picked,
@@ -295,6 +301,10 @@ def _to_host(step_id: int, out: SamplerOutput) -> StepResult:
     if out.top_ids is not None and out.top_logprobs is not None:  # set together
         result.top_ids = out.top_ids.tolist()
         result.top_logprobs = out.top_logprobs.tolist()
+    for name in ("prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs"):
+        value = getattr(out, name)
+        if value is not None:
+            setattr(result, name, value.tolist())
     return result
 
 

@@ -72,6 +72,35 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [S] logprob of the sampled token
     top_ids: torch.Tensor | None = None  # [S, k]
     top_logprobs: torch.Tensor | None = None  # [S, k]
+    # Prompt log-probs (``score_prompt``), one row per ``StepInput.prompt_rows`` entry
+    prompt_logprobs: torch.Tensor | None = None  # [P] of the prompt token
+    prompt_ranks: torch.Tensor | None = None  # [P] its rank: tokens at least as likely
+    prompt_top_ids: torch.Tensor | None = None  # [P, k]
+    prompt_top_logprobs: torch.Tensor | None = None  # [P, k]
+
+
+# Prompt log-probs take the logits of this many rows at a time: a long prompt's full-vocabulary
+# logits would otherwise be its length times the vocabulary (and a sampling step's are smaller).
+PROMPT_LOGPROB_ROWS = 256
+
+
+def score_prompt(compute_logits, hidden: torch.Tensor, targets: torch.Tensor, top_k: int, out: SamplerOutput) -> None:
+    """Fill ``out``'s prompt fields: the log-prob and rank of ``targets[i]`` under the logits of
+    ``hidden[i]`` (raw logits: no penalty, bias or temperature, as vLLM reports them), and the
+    ``top_k`` most likely tokens; on the device, without a host sync."""
+    logprobs, ranks, top_ids, top_logprobs = [], [], [], []
+    for h, t in zip(hidden.split(PROMPT_LOGPROB_ROWS), targets.split(PROMPT_LOGPROB_ROWS)):
+        rows = torch.log_softmax(compute_logits(h), dim=-1)
+        chosen = rows.gather(1, t[:, None])
+        logprobs.append(chosen.squeeze(1))
+        ranks.append((rows >= chosen).sum(dim=-1))
+        if top_k > 0:
+            values, ids = rows.topk(min(top_k, rows.shape[-1]), dim=-1)
+            top_logprobs.append(values)
+            top_ids.append(ids)
+    out.prompt_logprobs, out.prompt_ranks = torch.cat(logprobs), torch.cat(ranks)
+    if top_k > 0:
+        out.prompt_top_ids, out.prompt_top_logprobs = torch.cat(top_ids), torch.cat(top_logprobs)
 
 
 class Sampler:

@@ -55,6 +55,11 @@ class StepInput:
     pending: list[tuple[int, int, int]] = field(default_factory=list)
     clone_blocks: list[tuple[int, int]] = field(default_factory=list)
     clone_states: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) state slots
+    # Prompt log-probs (only for requests that ask): the rows whose logits score the next
+    # prompt token, that token, and how many top entries each row reports (the step's largest).
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_top_k: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -68,3 +73,8 @@ class StepResult:
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # One entry per ``StepInput.prompt_rows`` row (see ``outputs.PromptLogprobs``).
+    prompt_logprobs: list[float] | None = None
+    prompt_ranks: list[int] | None = None
+    prompt_top_ids: list[list[int]] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None
