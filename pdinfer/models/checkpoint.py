@@ -5,6 +5,9 @@ our layers stack the experts (``mlp.experts.gate_up_proj`` [E, 2 * I, H]) and fu
 (and, for plain attention, q with k and v). ``load_checkpoint`` writes each tensor into its
 slice of the parameter and checks that every element of every parameter was written once.
 Checkpoints already in transformers' stacked layout (``mlp.experts.gate_up_proj``) load as is.
+With expert parallelism or redundant experts a layer holds slots, not experts
+(``Experts.slot_experts``): an expert's tensors go into every local slot that names it, and into
+none when another rank holds it.
 """
 
 from __future__ import annotations
