@@ -20,7 +20,6 @@ import logging
 import os
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,14 +40,12 @@ from pdinfer.kv_store.agent import KVStoreAgent
 from pdinfer.models.loader import load_tokenizer, resolve_model
 from pdinfer.models.spec import ModelSpec
 from pdinfer.moe.balancer import ExpertLoadBalancer
+from pdinfer.moe.sharding import expert_group_of
 from pdinfer.outputs import RequestDelta, RequestOutput
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence, SequenceStatus
 from pdinfer.worker.model_runner import ModelRunner, StepExecutor, StepFuture
 from pdinfer.worker.step_input import StepInput
-
-if TYPE_CHECKING:
-    from pdinfer.distributed.ep_group import TorchExpertGroup
 
 logger = logging.getLogger("pdinfer")
 
@@ -75,7 +72,7 @@ class LLMEngine:
         self.scheduler_config = engine_args.create_scheduler_config(self.spec.max_position_embeddings)
         self.cache_config = engine_args.create_cache_config()
         self.moe_config = engine_args.create_moe_config(self.scheduler_config)  # EP, EPLB, workspace
-        expert_group = self._expert_group(dp_group)
+        expert_group = expert_group_of(dp_group, self.moe_config, self.device)  # None without EP
         tokenizer_source = engine_args.tokenizer if engine_args.tokenizer != engine_args.model else None
         self.tokenizer = load_tokenizer(self.model_folder, tokenizer_source)
         self.model_runner = ModelRunner(
@@ -151,21 +148,6 @@ class LLMEngine:
             self.init_pd_split()
         if self.use_cuda_graph:  # the warm-up step: capture decode graphs over the real cache
             self.model_runner.capture_cuda_graphs(sc.max_num_seqs, sc.max_model_len)
-
-    def _expert_group(self, dp_group: DPGroup | None) -> TorchExpertGroup | None:
-        """The ranks of the DP group sharing this model's experts (None without EP)."""
-        size = self.moe_config.expert_parallel_size
-        if size == 1:
-            return None
-        if self.device.type != "cpu":
-            raise NotImplementedError("expert parallelism runs on CPU ranks only for now (gloo all-to-all)")
-        make = getattr(dp_group, "expert_group", None)
-        if make is None:
-            raise ValueError(
-                f"expert_parallel_size={size} needs a DP group to spread the experts over: "
-                f"run with data_parallel_size a multiple of {size}"
-            )
-        return make(size)
 
     def _state_manager(self) -> StateManager | None:
         """State slots only for models with per-sequence state (none of the Llama family)."""

@@ -29,6 +29,22 @@ def sparse_layers(model: nn.Module) -> list[SparseMoE]:
     return [m for m in model.modules() if isinstance(m, SparseMoE)]
 
 
+def expert_group_of(dp_group, config: MoEConfig, device: torch.device) -> TorchExpertGroup | None:
+    """The ranks of the engine's DP group that share its experts (None without EP)."""
+    size = config.expert_parallel_size
+    if size == 1:
+        return None
+    if device.type != "cpu":
+        raise NotImplementedError("expert parallelism runs on CPU ranks only for now (gloo all-to-all)")
+    make = getattr(dp_group, "expert_group", None)
+    if make is None:
+        raise ValueError(
+            f"expert_parallel_size={size} needs a DP group to spread the experts over: "
+            f"run with data_parallel_size a multiple of {size}"
+        )
+    return make(size)
+
+
 def needs_sharding(config: MoEConfig) -> bool:
     return config.expert_parallel_size > 1 or config.num_redundant_experts > 0
 

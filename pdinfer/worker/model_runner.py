@@ -134,6 +134,8 @@ class ModelRunner:
             decode = self.engine_type is EngineType.COMPLETION
             return self.gpu.profile_num_blocks(block_size, tokens, rows, decode, gpu_memory_utilization)
         peak = self.activation_bytes(tokens, rows)
+        if self.dispatcher is not None:  # the all-to-all buffers, sized by the role's MoE workspace
+            peak += self.dispatcher.workspace_bytes
         per_block = block_bytes(self.spec, block_size, self.dtype)
         num_blocks = (memory_bytes - peak) // per_block
         if num_blocks < 1:
