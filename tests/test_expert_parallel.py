@@ -5,7 +5,9 @@ checkpoints of test_moe_models.py (8 routed experts, top-2):
   ranks, two redundant experts and a short EPLB interval (expert weights cross between the
   processes mid-run): greedy tokens equal transformers' and one engine's holding every expert;
 - a forced rearrangement in one engine: tokens before, after, and without EPLB are equal;
-- the step at which each role rearranges, in real engines (NORMAL, and a PE -> CE pair).
+- the step at which each role rearranges, in real engines (NORMAL, and a PE -> CE pair);
+- a PE with EP 1 handing off to a CE of two EP ranks (threads in lockstep): the K/V hand-off
+  does not see the EP sizes.
 
 Pure pieces (placement, timer, workspace, two ranks as threads) are in test_eplb.py.
 """
