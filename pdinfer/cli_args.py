@@ -52,6 +52,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
 # argparse dest -> EngineArgs field (the same name); collected by engine_args_from
 _ENGINE_FIELDS = (
     "model",
@@ -70,6 +80,9 @@ _ENGINE_FIELDS = (
     "enable_prefix_caching",
     "stop_preempted_request",
     "data_parallel_size",
+    "expert_parallel_size",
+    "num_redundant_experts",
+    "eplb_interval",
     "seed",
     "num_threads",
     "enforce_eager",
@@ -120,6 +133,26 @@ def add_engine_args(parser: argparse.ArgumentParser, *, include_seed: bool = Tru
         "recomputing it (default: on for completion, off otherwise)",
     )
     g.add_argument("--data-parallel-size", type=positive_int, default=1)
+    g.add_argument(
+        "--expert-parallel-size",
+        type=positive_int,
+        default=1,
+        help="MoE models: split the routed experts over this many ranks of the DP group (it must divide "
+        "--data-parallel-size); attention stays per rank",
+    )
+    g.add_argument(
+        "--num-redundant-experts",
+        type=non_negative_int,
+        default=0,
+        help="MoE models: extra expert replicas per layer, placed by EPLB on the most loaded experts",
+    )
+    g.add_argument(
+        "--eplb-interval",
+        type=non_negative_int,
+        default=None,
+        help="MoE models: rearrange experts every N counted steps, 0: never "
+        "(default: 1000 on --role prompt, 10000 otherwise)",
+    )
     g.add_argument("--num-threads", type=positive_int, default=None, help="torch threads on CPU (default: all cores)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument(

@@ -85,16 +85,71 @@ class ParallelConfig:
     engine_type: int
     data_parallel_size: int = 1
     context_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         role = EngineType.from_int(self.engine_type)
-        if self.data_parallel_size < 1 or self.context_parallel_size < 1:
+        if min(self.data_parallel_size, self.context_parallel_size, self.expert_parallel_size) < 1:
             raise ValueError("parallel sizes must be >= 1")
+        if self.data_parallel_size % self.expert_parallel_size:
+            raise ValueError(
+                f"expert_parallel_size ({self.expert_parallel_size}) must divide data_parallel_size "
+                f"({self.data_parallel_size}): an expert-parallel group is made of DP ranks (DP attention, "
+                "EP MoE)"
+            )
         if role is EngineType.COMPLETION and self.context_parallel_size > 1:
             raise ValueError(
                 "context parallelism is refused for a COMPLETION engine: a decode step has one "
                 "query token per sequence, so splitting its context over ranks only adds traffic"
             )
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Expert parallelism, EPLB and the role-sized MoE workspace (seed 7.4 and 7.5).
+
+    A batch holds at most ``max_num_decoding_tokens`` (decode: every sequence with its draft
+    tokens) or ``max_num_prefilling_tokens`` (prefill: the step's token budget, split over the
+    context-parallel ranks) tokens per rank; each batch picks its bound by whether it is a
+    prefill (``max_tokens_per_rank``). The all-to-all buffers are sized once for the largest
+    batch the role can run (``workspace_tokens``).
+    """
+
+    engine_type: int
+    max_num_decoding_tokens: int
+    max_num_prefilling_tokens: int
+    expert_parallel_size: int = 1
+    num_redundant_experts: int = 0
+    eplb_interval: int = 0  # counted steps between rearrangements; 0: never
+    rearrange_after_prefill: bool = True  # NORMAL: a prefill schedules one for the next decode step
+
+    def __post_init__(self) -> None:
+        EngineType.from_int(self.engine_type)
+        if self.expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
+        if self.num_redundant_experts < 0 or self.eplb_interval < 0:
+            raise ValueError("num_redundant_experts and eplb_interval must be >= 0")
+        if self.max_num_decoding_tokens < 1 or self.max_num_prefilling_tokens < 1:
+            raise ValueError("the MoE workspace bounds must be positive")
+
+    @property
+    def role(self) -> EngineType:
+        return EngineType.from_int(self.engine_type)
+
+    def max_tokens_per_rank(self, is_prompt: bool) -> int:
+        """The bound of one batch's tokens on this rank: the prefill or the decode one."""
+        return self.max_num_prefilling_tokens if is_prompt else self.max_num_decoding_tokens
+
+    @property
+    def workspace_tokens(self) -> int:
+        """Tokens per rank the MoE buffers hold: a CE only decodes, a PE only prefills, a
+        NORMAL engine does both (its bound is the prefill one unless decoding is larger)."""
+        match self.role:
+            case EngineType.COMPLETION:
+                return self.max_num_decoding_tokens
+            case EngineType.PROMPT:
+                return self.max_num_prefilling_tokens
+        return max(self.max_num_prefilling_tokens, self.max_num_decoding_tokens)
 
 
 def default_kv_cache_memory_bytes() -> int:
@@ -129,6 +184,9 @@ class EngineArgs:
     stop_preempted_request: bool | None = None  # None: True for COMPLETION, False otherwise
     context_parallel_size: int = 1
     data_parallel_size: int = 1
+    expert_parallel_size: int = 1  # ranks of the DP group that share one model's routed experts
+    num_redundant_experts: int = 0  # extra expert replicas EPLB places (per MoE layer, whole group)
+    eplb_interval: int | None = None  # steps between rearrangements; None: the role's default
     num_draft_tokens: int = 0
     enforce_eager: bool = False
     num_threads: int | None = None  # torch intra-op threads on CPU
@@ -157,8 +215,14 @@ class EngineArgs:
             "PDINFER_PREFILL_ANY_ATTEMPT_INTERVAL",
             "PDINFER_PREFILL_KV_WATERMARK",
             "PDINFER_ENFORCE_EAGER",
+            "PDINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE",
         ):
             env.rearm(name)  # an engine sees the environment as it is when it is built
+        env.set_role_default("PDINFER_EPLB_INTERVAL", str(self.engine_type.default_eplb_interval))
+        if self.eplb_interval is None:
+            self.eplb_interval = env.rearm("PDINFER_EPLB_INTERVAL")
+        if self.eplb_interval < 0 or self.num_redundant_experts < 0 or self.expert_parallel_size < 1:
+            raise ValueError("eplb_interval and num_redundant_experts must be >= 0, expert_parallel_size >= 1")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.kv_store_bytes is not None and self.kv_store_bytes <= 0:
@@ -204,4 +268,17 @@ class EngineArgs:
             engine_type=self.role.value,
             data_parallel_size=self.data_parallel_size,
             context_parallel_size=self.context_parallel_size,
+            expert_parallel_size=self.expert_parallel_size,
+        )
+
+    def create_moe_config(self, scheduler: SchedulerConfig) -> MoEConfig:
+        """The seed's workspace bounds (``model_loader.finalize_model_config``), computed here only."""
+        return MoEConfig(
+            engine_type=self.role.value,
+            max_num_decoding_tokens=scheduler.max_num_seqs * (1 + self.num_draft_tokens),
+            max_num_prefilling_tokens=scheduler.max_num_batched_tokens // self.context_parallel_size,
+            expert_parallel_size=self.expert_parallel_size,
+            num_redundant_experts=self.num_redundant_experts,
+            eplb_interval=int(self.eplb_interval or 0),
+            rearrange_after_prefill=env.get("PDINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE"),
         )

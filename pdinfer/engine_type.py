@@ -22,6 +22,12 @@ class EngineType(enum.Enum):
         # output processing by one step would only add hand-off latency.
         return self in (EngineType.NORMAL, EngineType.COMPLETION)
 
+    @property
+    def default_eplb_interval(self) -> int:
+        # The seed's production values: decode engines' expert loads drift slowly (EPLB every
+        # 10,000 steps), prefill engines' faster (every 1,000). NORMAL mostly decodes.
+        return 1000 if self is EngineType.PROMPT else 10000
+
     @classmethod
     def from_int(cls, value: int) -> EngineType:
         """Validate an int received from elsewhere; an unknown value fails loudly."""

@@ -30,6 +30,13 @@ def _parse_positive_int(text: str) -> int:
     return value
 
 
+def _parse_non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def _parse_fraction(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
@@ -84,6 +91,21 @@ _declare(
     _parse_bool,
     False,
     "Disable CUDA graphs (GPU only). CUDA graphs are never used by PROMPT engines.",
+)
+_declare(
+    "PDINFER_EPLB_INTERVAL",
+    _parse_non_negative_int,
+    None,
+    "MoE engines with expert parallelism or redundant experts: rearrange the experts every this "
+    "many counted steps (0: never). Unset: the role decides (1000 on PROMPT, 10000 on NORMAL and "
+    "COMPLETION); EngineArgs(eplb_interval=...) / --eplb-interval wins over both.",
+)
+_declare(
+    "PDINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE",
+    _parse_bool,
+    True,
+    "NORMAL MoE engines: a prefill step schedules the expert rearrangement for the next "
+    "non-prefill step (the seed's default). 0: prefill steps are only skipped, not counted.",
 )
 _declare(
     "PDINFER_CACHE_DIR",

@@ -28,6 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pdinfer.distributed.ep_group import TorchExpertGroup
+
 
 class DPGroupError(RuntimeError):
     """A collective of the DP group failed: a peer died, or did not answer within the timeout."""
@@ -99,6 +101,18 @@ class TorchDPGroup:
         self.num_calls = 0
         self.total_ns = 0  # time inside all_reduce_min, waiting for the slowest rank included
         self._joined = False
+        self._expert_groups: list[tuple[int, TorchExpertGroup]] = []  # (index, group), connected by join
+
+    def expert_group(self, size: int) -> TorchExpertGroup:
+        """This rank's expert-parallel group: ranks [i * size, (i + 1) * size) of the DP group
+        share one model's experts. Ask before ``join``, which connects it."""
+        if self._joined:
+            raise RuntimeError("ask for the expert group before TorchDPGroup.join()")
+        if size < 1 or self.size % size:
+            raise ValueError(f"an expert group of {size} ranks does not divide a DP group of {self.size}")
+        group = TorchExpertGroup(self.rank % size, size, self.backend, self.timeout_s)
+        self._expert_groups.append((self.rank // size, group))
+        return group
 
     def join(self, startup_timeout_s: float = 600.0, device: torch.device | str | None = None) -> None:
         """Wait for every rank's model, then form the group. ``device``: the engine's GPU, where
@@ -118,6 +132,8 @@ class TorchDPGroup:
         dist.init_process_group(
             self.backend, store=store, rank=self.rank, world_size=self.size, timeout=timedelta(seconds=self.timeout_s)
         )
+        for index, group in self._expert_groups:
+            group.connect(dist.PrefixStore(f"ep{group.size}/{index}/", store), self.device)
         self._joined = True
 
     def all_reduce_min(self, values: list[int]) -> list[int]:

@@ -143,6 +143,7 @@ class RankLoop:
 
     def stats(self) -> RankStats:
         sched, blocks = self.engine.scheduler, self.engine.block_manager
+        eplb = self.engine.eplb.stats if self.engine.eplb is not None else None
         return RankStats(
             num_waiting=len(sched.waiting),
             num_running=len(sched.running),
@@ -158,6 +159,8 @@ class RankLoop:
             num_steps=self.num_steps,
             num_allreduce=self.group.num_calls,
             allreduce_ns=self.group.total_ns,
+            num_expert_rearrangements=eplb.num_rearrangements if eplb else 0,
+            num_expert_slots_received=eplb.num_slots_received if eplb else 0,
         )
 
 

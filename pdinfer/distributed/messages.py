@@ -60,6 +60,8 @@ class RankStats(msgspec.Struct):
     num_steps: int = 0
     num_allreduce: int = 0  # collective calls so far (loop + scheduler vote)
     allreduce_ns: int = 0  # time spent in them, waiting for the slowest rank included
+    num_expert_rearrangements: int = 0  # EPLB (MoE models with expert parallelism or replicas)
+    num_expert_slots_received: int = 0  # expert weights that came from another rank
 
 
 class RankReady(msgspec.Struct, tag="ready"):

@@ -39,6 +39,8 @@ from pdinfer.engine_type import EngineType
 from pdinfer.kv_store.agent import KVStoreAgent
 from pdinfer.models.loader import load_tokenizer, resolve_model
 from pdinfer.models.spec import ModelSpec
+from pdinfer.moe.balancer import ExpertLoadBalancer
+from pdinfer.moe.sharding import expert_group_of
 from pdinfer.outputs import RequestDelta, RequestOutput
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence, SequenceStatus
@@ -69,6 +71,8 @@ class LLMEngine:
         self.spec = ModelSpec.from_hf_config(hf_config)
         self.scheduler_config = engine_args.create_scheduler_config(self.spec.max_position_embeddings)
         self.cache_config = engine_args.create_cache_config()
+        self.moe_config = engine_args.create_moe_config(self.scheduler_config)  # EP, EPLB, workspace
+        expert_group = expert_group_of(dp_group, self.moe_config, self.device)  # None without EP
         tokenizer_source = engine_args.tokenizer if engine_args.tokenizer != engine_args.model else None
         self.tokenizer = load_tokenizer(self.model_folder, tokenizer_source)
         self.model_runner = ModelRunner(
@@ -79,6 +83,8 @@ class LLMEngine:
             self.device,
             self.engine_type,
             engine_args.seed,
+            self.moe_config,
+            expert_group,
         )
         self.zero_overhead = engine_args.zero_overhead_scheduling
         self.use_cuda_graph = (
@@ -93,6 +99,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, dp_group, self._state_manager())
         self.executor = StepExecutor(self.model_runner, overlap=self.zero_overhead)
+        self.eplb: ExpertLoadBalancer | None = None  # MoE with expert parallelism or replicas
+        if self.model_runner.moe_layers:
+            self.eplb = ExpertLoadBalancer(self.model_runner.moe_layers, self.moe_config, expert_group, self.executor)
         self.kv_store = KVStoreAgent.create(self)  # None unless EngineArgs.kv_store is set
         self.step_builder = StepBuilder()
         self.output_processor = OutputProcessor(self)
@@ -326,7 +335,9 @@ class LLMEngine:
                     self.requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.has_unfinished_seqs() or self._inflight or self._ready_outputs)
+        # An empty step in flight (a DP rank's companion step) carries nothing to finish.
+        inflight = self._inflight is not None and not self._inflight.plan.is_empty
+        return bool(self.scheduler.has_unfinished_seqs() or inflight or self._ready_outputs)
 
     def get_num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
@@ -394,6 +405,8 @@ class LLMEngine:
         self._log_step(plan)
         inflight = self._launch(plan)
         self.last_step_ran = inflight is not None
+        if inflight is not None and self.eplb is not None:
+            self.eplb.on_step(plan.prompt_run)  # may rearrange the experts after this forward
         self.pre_sampler_sync(plan)
         outputs, self._ready_outputs = self._ready_outputs + drained, []
         outputs += self.output_processor.scheduler_outputs(plan)
@@ -407,6 +420,9 @@ class LLMEngine:
         # In a DP group a rank's companion empty prefill step still runs an (empty) forward,
         # so every rank keeps the same beat.
         companion = plan.prompt_run and self.scheduler.dp_group.size > 1
+        # With expert parallelism every step meets the other ranks in every MoE layer's
+        # all-to-all, so a rank with nothing to run still runs an empty forward.
+        companion = companion or self.model_runner.dispatcher is not None
         if plan.is_empty and not plan.clone_blocks and not companion:
             return None
         inp, owners, prompt_owners = self.step_builder.build(plan)

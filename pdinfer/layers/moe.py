@@ -12,12 +12,18 @@ is not written yet.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdinfer.layers import cpu_kernels
 from pdinfer.models.spec import MoESpec
+
+if TYPE_CHECKING:
+    from pdinfer.moe.dispatch import ExpertDispatcher
+    from pdinfer.moe.placement import ExpertPlacement
 
 
 class TopKRouter(nn.Module):
@@ -68,12 +74,19 @@ def select_experts(
 
 
 class Experts(nn.Module):
-    """The routed experts of one layer, stacked."""
+    """The routed experts of one layer, stacked: one slice per slot this rank holds. Without
+    expert parallelism or replicas slot e holds expert e; otherwise ``slot_experts`` names the
+    logical expert of each local slot (``moe/sharding.py`` sets it, the loader reads it)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.slot_experts = list(range(num_experts))
+
+    def slots_of(self, expert: int) -> list[int]:
+        """The local slots holding logical ``expert`` (none if another rank holds it)."""
+        return [slot for slot, e in enumerate(self.slot_experts) if e == expert]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return grouped_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
@@ -92,7 +105,13 @@ def grouped_experts(
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=num_experts).tolist()  # the one host sync
     token_of = order // top_k
-    rows = x.index_select(0, token_of)
+    out_rows = run_experts(x.index_select(0, token_of), gate_up, down, counts)
+    out_rows.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out_rows.dtype))
+    return torch.zeros_like(x).index_add_(0, token_of, out_rows)
+
+
+def run_experts(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Expert e over the next ``counts[e]`` rows of ``rows`` (grouped by expert), unweighted."""
     out_rows = torch.empty_like(rows)
     start = 0
     for expert, count in enumerate(counts):
@@ -101,8 +120,7 @@ def grouped_experts(
         part = slice(start, start + count)
         out_rows[part] = F.linear(_silu_and_mul(F.linear(rows[part], gate_up[expert])), down[expert])
         start += count
-    out_rows.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out_rows.dtype))
-    return torch.zeros_like(x).index_add_(0, token_of, out_rows)
+    return out_rows
 
 
 def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
@@ -113,17 +131,35 @@ def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
 
 
 class SparseMoE(nn.Module):
-    """Router, routed experts and (DeepSeekMoE) shared experts that every token goes through."""
+    """Router, routed experts and (DeepSeekMoE) shared experts that every token goes through.
+
+    With expert parallelism or redundant experts, ``moe/sharding.py`` gives the layer a
+    ``placement`` (logical expert -> physical slots), a ``dispatcher`` (the all-to-all to the
+    ranks holding the slots; None when this rank holds them all) and a per-expert load counter
+    that EPLB reads (``moe/balancer.py``).
+    """
 
     def __init__(self, moe: MoESpec, hidden_size: int, shared_experts: nn.Module | None = None):
         super().__init__()
         self.gate = TopKRouter(moe, hidden_size)
         self.experts = Experts(moe.num_experts, hidden_size, moe.intermediate_size)
         self.shared_experts = shared_experts
+        self.placement: ExpertPlacement | None = None
+        self.dispatcher: ExpertDispatcher | None = None
+        self.expert_load: torch.Tensor | None = None  # [E] tokens routed to each logical expert
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
+        if self.placement is None:
+            out = self.experts(x, weights, ids)
+        else:
+            if self.expert_load is not None:
+                self.expert_load += torch.bincount(ids.reshape(-1), minlength=self.placement.num_experts)
+            slots = self.placement.to_slots(ids)
+            if self.dispatcher is None:  # every slot is here
+                out = self.experts(x, weights, slots)
+            else:
+                out = self.dispatcher.dispatch_combine(x, weights, slots, self.experts)
         if self.shared_experts is not None:
             out = out.add_(self.shared_experts(x))
         return out

@@ -5,6 +5,9 @@ our layers stack the experts (``mlp.experts.gate_up_proj`` [E, 2 * I, H]) and fu
 (and, for plain attention, q with k and v). ``load_checkpoint`` writes each tensor into its
 slice of the parameter and checks that every element of every parameter was written once.
 Checkpoints already in transformers' stacked layout (``mlp.experts.gate_up_proj``) load as is.
+With expert parallelism or redundant experts a layer holds slots, not experts
+(``Experts.slot_experts``): an expert's tensors go into every local slot that names it, and into
+none when another rank holds it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def load_checkpoint(
     """
     params = dict(model.named_parameters())
     written = dict.fromkeys(params, 0)
+    slot_experts = _slot_experts(model)
     for name, tensor in weights:
         name = name.removeprefix("model.")
         layer = _LAYER.match(name)
@@ -46,17 +50,43 @@ def load_checkpoint(
             continue
         if name == "lm_head.weight" and getattr(model, "lm_head", None) is None:
             continue
-        target, index = _locate(name, fused, part_rows, params)
-        param = params[target]
-        with torch.no_grad():
-            dest = param if index is None else param[index]
-            if dest.shape != tensor.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
-            dest.copy_(tensor)
-        written[target] += dest.numel()
+        target, located = _locate(name, fused, part_rows, params)
+        for index, part in _into_slots(target, located, tensor, slot_experts):
+            param = params[target]
+            with torch.no_grad():
+                dest = param if index is None else param[index]
+                if dest.shape != part.shape:
+                    raise ValueError(f"{name}: shape {tuple(part.shape)} != {tuple(dest.shape)}")
+                dest.copy_(part)
+            written[target] += dest.numel()
     missing = sorted(n for n, p in params.items() if written[n] != p.numel())
     if missing:
         raise ValueError(f"checkpoint is missing or repeats {len(missing)} tensors, e.g. {missing[:4]}")
+
+
+def _slot_experts(model: nn.Module) -> dict[str, list[int]]:
+    """Stacked expert parameter -> the logical expert of each of its slots (this rank's)."""
+    from pdinfer.layers.moe import Experts
+
+    slots = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, Experts):
+            for param in ("gate_up_proj", "down_proj"):
+                slots[f"{module_name}.{param}"] = module.slot_experts
+    return slots
+
+
+def _into_slots(target: str, index: tuple | None, tensor: torch.Tensor, slot_experts: dict[str, list[int]]):
+    """(index, tensor) writes of one checkpoint tensor: an expert's into every local slot
+    holding it (none when another rank holds it, several for replicas); a stacked tensor's
+    rows picked for the local slots."""
+    slots = slot_experts.get(target)
+    if slots is None:
+        return [(index, tensor)]
+    if index is None:  # transformers' stacked layout: [E, ...]
+        return [(None, tensor.index_select(0, torch.tensor(slots, dtype=torch.int64)))]
+    expert, rest = index[0], index[1:]
+    return [((slot, *rest), tensor) for slot, e in enumerate(slots) if e == expert]
 
 
 def _locate(name: str, fused, part_rows, params) -> tuple[str, tuple | None]:

@@ -76,8 +76,16 @@ def resolve_model(model: str | None, cache_dir: str) -> tuple[str, dict[str, Any
 
 
 def build_model(
-    spec: ModelSpec, folder: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0
+    spec: ModelSpec,
+    folder: str,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    transform: Callable[[CausalLM], object] | None = None,
 ) -> CausalLM:
+    """``transform`` runs on the model while it is on the meta device, before storage and
+    weights (expert parallelism shrinks the stacked experts to this rank's slots there)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_class = MODEL_CLASSES[spec.family]
@@ -89,6 +97,8 @@ def build_model(
     # Built on the meta device and then given empty storage: no time spent on random init.
     with torch.device("meta"):
         model = model_class(spec)
+    if transform is not None:
+        transform(model)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.reset_inv_freq()
     if load_format == "dummy":

@@ -6,6 +6,7 @@ graphs off for PROMPT).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
@@ -15,19 +16,23 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pdinfer import env
+from pdinfer.config import MoEConfig
 from pdinfer.engine_type import EngineType
 from pdinfer.layers import cpu_kernels
 from pdinfer.layers.cpu_decode_stack import DecodeStack
 from pdinfer.layers.cpu_linear import pack_linears
+from pdinfer.layers.moe import SparseMoE
 from pdinfer.models.llama import LlamaForCausalLM
 from pdinfer.models.loader import build_model, load_quantized_blocks
 from pdinfer.models.spec import ModelSpec
+from pdinfer.moe.sharding import needs_sharding, shard_experts
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
 from pdinfer.worker.input_builder import build_attention_metadata, build_sampling_tensors
 from pdinfer.worker.sampler import Sampler, SamplerOutput, score_prompt
 from pdinfer.worker.step_input import StepInput, StepResult
 
 if TYPE_CHECKING:
+    from pdinfer.distributed.ep_group import TorchExpertGroup
     from pdinfer.worker.gpu_runner import GpuStepRunner, PendingStepResult
 
 logger = logging.getLogger("pdinfer")
@@ -56,12 +61,22 @@ class ModelRunner:
         device: torch.device,
         engine_type: EngineType,
         seed: int = 0,
+        moe_config: MoEConfig | None = None,
+        expert_group: TorchExpertGroup | None = None,
     ):
         self.spec = spec
         self.dtype = dtype
         self.device = device
         self.engine_type = engine_type
-        self.model = build_model(spec, folder, load_format, dtype, device, seed)
+        self.moe_layers: list[SparseMoE] = []  # sharded sparse layers (expert parallelism, EPLB)
+        transform = None
+        if moe_config is not None and needs_sharding(moe_config):
+
+            def transform(model):
+                self.moe_layers = shard_experts(model, moe_config, expert_group, dtype, device)
+
+        self.model = build_model(spec, folder, load_format, dtype, device, seed, transform)
+        self.dispatcher = self.moe_layers[0].dispatcher if self.moe_layers else None
         self.native_kernels = None
         if device.type == "cpu" and dtype in cpu_kernels.KV_DTYPES:
             # Native kernels (None: plain torch) for attention and small linears, then oneDNN-packed linears (faster than F.linear),
@@ -119,6 +134,8 @@ class ModelRunner:
             decode = self.engine_type is EngineType.COMPLETION
             return self.gpu.profile_num_blocks(block_size, tokens, rows, decode, gpu_memory_utilization)
         peak = self.activation_bytes(tokens, rows)
+        if self.dispatcher is not None:  # the all-to-all buffers, sized by the role's MoE workspace
+            peak += self.dispatcher.workspace_bytes
         per_block = block_bytes(self.spec, block_size, self.dtype)
         num_blocks = (memory_bytes - peak) // per_block
         if num_blocks < 1:
@@ -164,14 +181,24 @@ class ModelRunner:
             return self.gpu.execute(inp)  # a PendingStepResult; DeviceStepFuture waits for it
         cache.copy_blocks(inp.clone_blocks)
         cache.copy_states(inp.clone_states)
+        with self._moe_step(inp.is_prompt):
+            return self._execute(inp)
+
+    def _moe_step(self, is_prompt: bool):
+        return self.dispatcher.step(is_prompt) if self.dispatcher is not None else contextlib.nullcontext()
+
+    def _execute(self, inp: StepInput) -> StepResult:
         if inp.num_tokens == 0:
+            if self.dispatcher is not None:  # the other ranks' MoE layers need this rank's (empty) share
+                self._empty_moe_step()
             return StepResult(step_id=inp.step_id, token_ids=[])
         input_ids = torch.tensor(inp.input_ids, dtype=torch.int64, device=self.device)
         if inp.pending:
             self._fill_pending(input_ids, inp)
         positions = torch.tensor(inp.positions, dtype=torch.int64, device=self.device)
         keep = [s.row for s in inp.samples] + inp.prompt_rows
-        if inp.is_prompt and inp.num_tokens > PREFILL_SUBBATCH_TOKENS:
+        # Not with expert parallelism: every rank must run the same number of forwards.
+        if inp.is_prompt and inp.num_tokens > PREFILL_SUBBATCH_TOKENS and self.dispatcher is None:
             hidden = self._prefill_in_subbatches(inp, input_ids, positions, keep)
         else:
             hidden = self._forward(inp, input_ids, positions, keep)
@@ -188,6 +215,12 @@ class ModelRunner:
         while len(self._recent) > 4:
             self._recent.popitem(last=False)
         return _to_host(inp.step_id, out)
+
+    def _empty_moe_step(self) -> None:
+        """A step without tokens still runs every sparse layer, in order, on zero rows."""
+        empty = torch.empty(0, self.spec.hidden_size, dtype=self.dtype, device=self.device)
+        for layer in self.moe_layers:
+            layer(empty)
 
     def _forward(
         self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor, keep: list[int]
