@@ -9,7 +9,7 @@ import dataclasses
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from pdinfer.sampling_params import SamplingParams
 
@@ -346,11 +346,18 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True  # extra
     parallel_tool_calls: bool | None = None
 
+    _tools: Any = PrivateAttr(default=None)  # tool_request's answer, once checked
+    _tools_checked: bool = PrivateAttr(default=False)
+
     def tool_request(self):
-        """The checked tool fields (``serving.tools.ToolRequest``), or None without tools."""
+        """The checked tool fields (``serving.tools.ToolRequest``), or None without tools; the
+        sampling parameters, the prompt and the response all ask, the check runs once."""
         from pdinfer.serving.tools import ToolRequest
 
-        return ToolRequest.from_body(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if not self._tools_checked:
+            self._tools = ToolRequest.from_body(self.tools, self.tool_choice, self.parallel_tool_calls)
+            self._tools_checked = True
+        return self._tools
 
     def _structured(self) -> dict[str, Any] | None:
         spec = super()._structured()
