@@ -135,6 +135,8 @@ def test_the_grammars_of_required_and_named_accept_only_the_tools():
         ([WEATHER], "sometimes", "tool_choice must be"),
         ([WEATHER], {"type": "function", "function": {"name": "add"}}, "not one of the tools"),
         ([WEATHER], {"type": "function"}, "tool_choice must be"),
+        ([WEATHER], [], "tool_choice must be"),
+        (None, 7, "tool_choice must be"),
         ([], "required", "needs tools"),
     ],
 )

@@ -155,9 +155,10 @@ def _check_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
 
 
 def _named_choice(tool_choice: Any) -> str:
-    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    choice = tool_choice if isinstance(tool_choice, dict) else {}
+    fn = choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
-    if tool_choice.get("type") != "function" or not isinstance(name, str):  # type: ignore[union-attr]
+    if choice.get("type") != "function" or not isinstance(name, str):
         raise bad_request(
             'tool_choice must be none, auto, required or {"type": "function", "function": {"name": ...}}',
             param="tool_choice",
