@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import pydantic
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdinfer.serving import tools
 from pdinfer.serving.frontend import PromptBuilder
@@ -223,3 +226,38 @@ def test_a_template_that_knows_tools_receives_them(tokenizer):
     assert prompt == '[TOOL get_weather][TOOL add]user:2+2?|assistant:<tool_call>{"a": 2}</tool_call>|'
     assert tools.template_format(Templated.chat_template) == tools.HERMES
     assert tools.template_format("{{ '<|python_tag|>' }}") == tools.LLAMA3_JSON
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+TOOLISH = st.sampled_from([WEATHER, ADD, {"type": "function", "function": {"name": "add"}}, "required", "auto"])
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    tool_list=st.none() | st.lists(TOOLISH | JSON, max_size=3),
+    choice=st.sampled_from([None, "none", "auto", "required", {"type": "function", "function": {"name": "add"}}])
+    | JSON,
+    calls=st.none() | st.lists(JSON, max_size=2),
+)
+def test_any_json_in_the_tool_fields_is_served_or_refused_with_a_400(tokenizer, tool_list, choice, calls):
+    """What a stranger can put in the tool fields: the request either builds (sampling
+    parameters and prompt) or is refused with a 400; never another exception (a 500)."""
+    try:
+        body = ChatCompletionRequest.model_validate(
+            {
+                "messages": [{"role": "assistant", "content": "", "tool_calls": calls}, {"role": "user", "content": "x"}],
+                "tools": tool_list,
+                "tool_choice": choice,
+            }
+        )
+    except pydantic.ValidationError:
+        return  # the server answers these with a 400 (test_api_fuzz.py)
+    try:
+        body.sampling_params()
+        PromptBuilder(tokenizer, None).chat(body)
+    except APIError as refused:
+        assert refused.status_code == 400
