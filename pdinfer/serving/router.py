@@ -28,7 +28,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdinfer.outputs import PromptLogprobs
-from pdinfer.serving import protocol
+from pdinfer.serving import protocol, upstream
 from pdinfer.serving.frontend import (
     CLIENT_KEEP_ALIVE_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -169,6 +169,7 @@ class Router:
         self.created = int(time.time())
         self.metrics = RouterMetrics(model_name)
         headers = {"Authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else None
+        self._engine_headers = {"content-type": "application/json", **(headers or {})}
         self.client = httpx.AsyncClient(
             limits=httpx.Limits(
                 max_connections=None, max_keepalive_connections=256, keepalive_expiry=CLIENT_KEEP_ALIVE_S
@@ -194,7 +195,6 @@ class Router:
             config.queue_timeout_s,
             config.engine_timeout_s,
         )
-        self._background: set[asyncio.Task] = set()
         self._prompts = PromptBuilder(tokenizer, None, vocab_size)
 
     # --- checks ----------------------------------------------------------------------------------
@@ -311,84 +311,84 @@ class Router:
 
     # --- NORMAL engines --------------------------------------------------------------------------
     async def _proxy_normal(self, request: Request, path: str, body, num_tokens: int) -> Response | None:
-        """The answer of the first NORMAL engine that takes the request; None if none does."""
-        payload = body.model_dump(exclude_unset=True)
+        """The answer of the first NORMAL engine that takes the request; None if none does. The
+        client's body goes on as it came (it was checked); the answer comes back as bytes
+        (``upstream``: no re-parsing, several events per write when the router falls behind)."""
+        payload = await request.body()
         refusal: Response | None = None
         for engine in self.normal_lb.candidates():
             assignment = self.normal_lb.assign(engine, num_tokens)
             resp = None
             for attempt in (0, 1):
-                upstream = self.client.build_request(
+                sent = upstream.send(
+                    engine.url,
                     "POST",
-                    engine.url + path,
-                    json=payload,
-                    timeout=httpx.Timeout(self.config.engine_timeout_s, connect=5),
+                    path,
+                    payload,
+                    self._engine_headers,
+                    _CONNECT_TIMEOUT_S,
+                    self.config.engine_timeout_s,
                 )
                 try:  # a client that leaves while the engine works on a whole answer cancels it
-                    resp = await run_unless_disconnected(request, self.client.send(upstream, stream=True))
+                    resp = await run_unless_disconnected(request, sent)
                     break
                 except APIError:  # the client left: the engine's request was cancelled with it
                     assignment.release()
                     raise
-                except httpx.HTTPError as exc:
-                    # A connection that broke before the answer (a pooled one the engine closed
-                    # under us, a reset) is tried once more on a new one; anything else, or a
-                    # second failure, takes the engine out of rotation.
-                    if attempt or not isinstance(exc, _RETRYABLE):
-                        self.pool.eject(engine, f"{path} failed ({type(exc).__name__})")
+                except upstream.UpstreamError as exc:
+                    # A connection reset before any answer is tried once more; anything else,
+                    # or a second failure, takes the engine out of rotation.
+                    if attempt or not exc.before_head:
+                        self.pool.eject(engine, f"{path} failed ({exc})")
                         break
             if resp is None:
                 assignment.release()
                 continue
+            engine.last_heard_s = time.monotonic()
             if resp.status_code >= 500:  # overloaded or failing: someone else
                 assignment.release()
                 try:
-                    content = await resp.aread()
+                    content = await resp.read()
                     refusal = Response(
                         content, resp.status_code, _relayed_headers(resp), resp.headers.get("content-type")
                     )
-                except httpx.HTTPError:
+                except upstream.UpstreamError:
                     pass
                 finally:
-                    await resp.aclose()
+                    resp.close()
                 continue
             self.metrics.routed.labels(engine=engine.url, role=engine.role).inc()
             if body.stream and resp.status_code == 200:
                 return StreamingResponse(
-                    self._relay_raw(resp, assignment),
+                    self._relay_stream(resp, assignment),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"},
                 )
             try:
-                content = await run_unless_disconnected(request, resp.aread())
+                content = await run_unless_disconnected(request, resp.read())
+            except upstream.UpstreamError as exc:
+                raise APIError(502, f"the engine failed: {exc}", type="server_error", code="engine_failed") from None
             finally:
                 assignment.release()
-                self._close_later(resp)
+                resp.close()
             return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
         # Every engine refused: without P/D engines to try, the client gets the last refusal
         # (an overloaded engine's 503 and its Retry-After) rather than a vaguer one of ours.
         return refusal if not self.pool.pd_servable else None
 
-    async def _relay_raw(self, resp: httpx.Response, assignment) -> AsyncIterator[bytes]:
+    async def _relay_stream(self, resp: upstream.UpstreamResponse, assignment) -> AsyncIterator[bytes]:
         engine = assignment.engine
         try:
-            async for chunk in resp.aiter_raw():
+            async for data in resp.chunks():
                 engine.last_heard_s = time.monotonic()
-                yield chunk
-        except httpx.HTTPError as exc:
-            error = APIError(502, f"the engine failed mid-stream: {exc!r}", type="server_error", code="engine_failed")
+                yield data
+        except upstream.UpstreamError as exc:
+            error = APIError(502, f"the engine failed mid-stream: {exc}", type="server_error", code="engine_failed")
             self._count_error(error)
             yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
         finally:
             assignment.release()
-            self._close_later(resp)  # a client that went away: the engine aborts
-
-    def _close_later(self, resp: httpx.Response) -> None:
-        # Awaiting here may be cancelled again (the server cancels a gone client's stream):
-        # close from a task of its own.
-        task = asyncio.get_running_loop().create_task(resp.aclose())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+            resp.close()  # before the end: the client went away, and the engine aborts
 
     # --- the rest of the API ---------------------------------------------------------------------
     async def models(self) -> dict:
@@ -434,10 +434,10 @@ class Router:
             await self.client.aclose()
 
 
-_RETRYABLE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+_CONNECT_TIMEOUT_S = 5.0
 
 
-def _relayed_headers(resp: httpx.Response) -> dict[str, str]:
+def _relayed_headers(resp: upstream.UpstreamResponse) -> dict[str, str]:
     return {"Retry-After": resp.headers["retry-after"]} if "retry-after" in resp.headers else {}
 
 
