@@ -249,7 +249,10 @@ def test_any_json_in_the_tool_fields_is_served_or_refused_with_a_400(tokenizer, 
     try:
         body = ChatCompletionRequest.model_validate(
             {
-                "messages": [{"role": "assistant", "content": "", "tool_calls": calls}, {"role": "user", "content": "x"}],
+                "messages": [
+                    {"role": "assistant", "content": "", "tool_calls": calls},
+                    {"role": "user", "content": "x"},
+                ],
                 "tools": tool_list,
                 "tool_choice": choice,
             }
