@@ -364,3 +364,18 @@ def test_fused_elementwise_ops_match_torch(kernels):
         q, k = qkv[:, : 4 * 32].view(9, 4, 32), qkv[:, 4 * 32 : 6 * 32].view(9, 2, 32)
         ops.rotary_qk_(q, k, cos, sin)
         torch.testing.assert_close(qkv[:, : 6 * 32].view(9, 6, 32), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_loading_the_kernels_leaves_the_process_floating_point_alone(kernels):
+    """The library is compiled with fast math but must not switch on flush-to-zero for the
+    process (g++ does that for a library linked with -ffast-math): a subnormal still survives
+    arithmetic, in this thread and in a thread started after the load."""
+    import threading
+
+    tiny = torch.tensor(1e-45, dtype=torch.float32)  # the smallest float32 subnormal
+    assert (tiny * 1.0).item() > 0
+    seen: list[float] = []
+    worker = threading.Thread(target=lambda: seen.append((tiny * 1.0).item()))
+    worker.start()
+    worker.join()
+    assert seen[0] > 0

@@ -73,7 +73,11 @@ _SOURCES = [
 ]
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile.h", "parallel.h", "kernel_common.h")]
 
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+# Compiled with fast math, linked without it: g++ links crtfastmath.o into a library linked with
+# -ffast-math, and loading that switches on flush-to-zero for the whole process (every thread's
+# denormals, the user's own numpy and torch code included).
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17", "-fPIC"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -103,24 +107,16 @@ def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ct
         return None
     torch_dir = Path(torch.__file__).parent
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    cmd_tail = [
-        *extra_flags,
-        f"-I{torch_dir / 'include'}",
-        abi,
-        f"-L{torch_dir / 'lib'}",
-        "-lc10",
-        "-ltorch_cpu",
-        f"-Wl,-rpath,{torch_dir / 'lib'}",
-    ]
+    compile_flags = [*_FLAGS, *extra_flags, f"-I{torch_dir / 'include'}", abi]
+    link_flags = [*_LINK_FLAGS, f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
     texts = [src.read_text() for src in _SOURCES + _HEADERS]
-    key = hashlib.sha256("\0".join([*texts, *_FLAGS, *cmd_tail, torch.__version__, _cpu_id()]).encode()).hexdigest()[
-        :16
-    ]
+    parts = [*texts, *compile_flags, "link", *link_flags, torch.__version__, _cpu_id()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     root = Path(cache_dir or os.path.expanduser("~/.cache/pdinfer")) / "kernels"
     path = root / f"cpu_kernels-{key}.so"
     try:
         if not path.exists():
-            _compile(path, cmd_tail)
+            _compile(path, compile_flags, link_flags)
         lib = ctypes.CDLL(str(path))
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         for name, argtypes in [
@@ -150,19 +146,25 @@ def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ct
     return lib
 
 
-def _compile(path: Path, cmd_tail: list[str]) -> None:
+def _compile(path: Path, compile_flags: list[str], link_flags: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     logger.info(
         "compiling the native CPU kernels into %s (once for this CPU, torch and kernel source; ~10-30 s)", path.parent
     )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        objects = [Path(tmp) / f"{src.stem}.o" for src in _SOURCES]
+        jobs = [
+            subprocess.Popen(["g++", *compile_flags, "-c", str(src), "-o", str(obj)], stderr=subprocess.PIPE)
+            for src, obj in zip(_SOURCES, objects)
+        ]
+        errors = [job.communicate(timeout=300)[1] for job in jobs]
+        for job, err in zip(jobs, errors):
+            if job.returncode:
+                raise subprocess.CalledProcessError(job.returncode, job.args, stderr=err)
         out = Path(tmp) / "cpu_kernels.so"
         subprocess.run(
-            ["g++", *_FLAGS, *map(str, _SOURCES), "-o", str(out), *cmd_tail],
-            check=True,
-            capture_output=True,
-            timeout=120,
+            ["g++", *map(str, objects), "-o", str(out), *link_flags], check=True, capture_output=True, timeout=120
         )
         os.replace(out, path)  # atomic: concurrent engines never load a half-written file
     logger.info("compiled the native CPU kernels in %.1f s", time.perf_counter() - start)
