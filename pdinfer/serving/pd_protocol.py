@@ -83,8 +83,10 @@ def encode_event(event: DecodeEvent) -> bytes:
     return b"data: " + _event_encoder.encode(event) + b"\n\n"
 
 
-def prompt_logprobs_of(answer: dict[str, Any]) -> PromptLogprobs | None:
+def prompt_logprobs_of(answer: Any) -> PromptLogprobs | None:
     """The prompt log-probs of a PE's /pd/prefill answer; ``ValueError`` for a malformed one."""
+    if not isinstance(answer, dict):
+        raise ValueError("the prefill engine's answer is not a JSON object")
     value = answer.get("prompt_logprobs")
     if value is None:
         return None

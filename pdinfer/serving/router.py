@@ -187,7 +187,7 @@ class Router:
         self.normal_lb = NormalBalancer(self.pool.by_role("normal"))
         self.driver = PDDriver(
             self.pool,
-            self.client,
+            self._engine_headers,
             self.metrics,
             self.prefill_lb,
             self.decode_lb,

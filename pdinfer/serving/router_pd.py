@@ -18,9 +18,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import httpx
-
 from pdinfer.outputs import PromptLogprobs
+from pdinfer.serving import upstream
 from pdinfer.serving.load_balancer import Assignment, DecodeBalancer, Engine, PrefillBalancer
 from pdinfer.serving.pd_protocol import DecodeEvent, OutputDelta, decode_event, prompt_logprobs_of
 from pdinfer.serving.protocol import APIError
@@ -29,6 +28,7 @@ from pdinfer.serving.router_pool import EnginePool, RouterMetrics
 logger = logging.getLogger("pdinfer")
 
 _NO_ROOM_BACKOFF_S = 0.05
+_CONNECT_TIMEOUT_S = 5.0
 
 
 class Retry(Exception):
@@ -66,7 +66,7 @@ class PDJob:
             self.streamed = True
 
 
-def _error(resp: httpx.Response, body: bytes) -> tuple[str, str | None]:
+def _error(resp: upstream.UpstreamResponse, body: bytes) -> tuple[str, str | None]:
     """(message, code) of an engine's OpenAI-shaped error answer."""
     try:
         error = json.loads(body)["error"]
@@ -79,7 +79,7 @@ class PDDriver:
     def __init__(
         self,
         pool: EnginePool,
-        client: httpx.AsyncClient,
+        engine_headers: dict[str, str],
         metrics: RouterMetrics,
         prefill_lb: PrefillBalancer,
         decode_lb: DecodeBalancer,
@@ -87,7 +87,8 @@ class PDDriver:
         queue_timeout_s: float = 60.0,
         engine_timeout_s: float = 600.0,
     ):
-        self.pool, self.client, self.metrics = pool, client, metrics
+        self.pool, self.metrics = pool, metrics
+        self.engine_headers = engine_headers  # content type and the engines' API key
         self.prefill_lb, self.decode_lb = prefill_lb, decode_lb
         self.max_attempts = max_attempts
         self.queue_timeout_s = queue_timeout_s
@@ -158,7 +159,7 @@ class PDDriver:
             if prefill is not None:
                 prefill.release()
             decode.release()
-            await response.aclose()  # the CE aborts whatever it still holds for this attempt
+            response.close()  # the CE aborts whatever it still holds for this attempt
 
     async def _reserve(self, body: dict, excluded: set[str]):
         """The first CE (in balancer order) with room: (assignment, response, lines,
@@ -188,59 +189,60 @@ class PDDriver:
             await asyncio.sleep(_NO_ROOM_BACKOFF_S)
 
     async def _try_reserve(self, ce: Engine, body: dict, excluded: set[str]):
-        request = self.client.build_request(
-            "POST", f"{ce.url}/pd/decode", json=body, timeout=httpx.Timeout(self.engine_timeout_s, connect=5)
-        )
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            self.pool.eject(ce, f"/pd/decode failed ({type(exc).__name__})")
+            response = await self._post(ce, "/pd/decode", body)
+        except upstream.UpstreamError as exc:
+            self.pool.eject(ce, f"/pd/decode failed ({exc})")
             excluded.add(ce.url)
             return None
         if response.status_code != 200:
-            error, code = _error(response, await response.aread())
-            await response.aclose()
+            try:
+                error, code = _error(response, await response.read())
+            except upstream.UpstreamError as exc:
+                error, code = str(exc), None
+            response.close()
             if response.status_code == 503 and code == "no_room":
                 return None  # back-pressure: the next CE, or wait
             if 400 <= response.status_code < 500:
                 raise APIError(response.status_code, error)
             excluded.add(ce.url)
             return None
-        lines = response.aiter_lines()
+        lines = upstream.sse_data(response)
         try:
             async for line in lines:
-                if line.startswith("data: "):
-                    reservation = decode_event(line[6:]).reservation
-                    if reservation is None:
-                        raise ValueError("the first event carries no reservation")
-                    return response, lines, reservation
-        except (httpx.HTTPError, ValueError) as exc:
+                reservation = decode_event(line).reservation
+                if reservation is None:
+                    raise ValueError("the first event carries no reservation")
+                return response, lines, reservation
+        except (upstream.UpstreamError, ValueError) as exc:
             logger.warning("router: no reservation from %s: %r", ce.url, exc)
-        await response.aclose()
+        response.close()
         self.pool.eject(ce, "its /pd/decode stream broke before the reservation")
         excluded.add(ce.url)
         return None
+
+    async def _post(self, engine: Engine, path: str, body: dict) -> upstream.UpstreamResponse:
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        return await upstream.send(
+            engine.url, "POST", path, payload, self.engine_headers, _CONNECT_TIMEOUT_S, self.engine_timeout_s
+        )
 
     async def _read(self, ce: Engine, lines, events: asyncio.Queue) -> None:
         try:
             async for line in lines:
                 ce.last_heard_s = time.monotonic()
-                if line.startswith("data: "):
-                    events.put_nowait(("event", decode_event(line[6:])))
+                events.put_nowait(("event", decode_event(line)))
             events.put_nowait(("ce_failed", "its stream ended before the request finished"))
-        except (httpx.HTTPError, ValueError) as exc:
-            events.put_nowait(("ce_failed", f"its stream broke ({type(exc).__name__})"))
+        except (upstream.UpstreamError, ValueError) as exc:
+            events.put_nowait(("ce_failed", f"its stream broke ({exc})"))
 
     async def _prefill(self, prefill: Assignment, body: dict, reservation: dict, events: asyncio.Queue) -> None:
         pe, start = prefill.engine, time.monotonic()
         try:
-            resp = await self.client.post(
-                f"{pe.url}/pd/prefill",
-                json={**body, "reservation": reservation},
-                timeout=httpx.Timeout(self.engine_timeout_s, connect=5),
-            )
-        except httpx.HTTPError as exc:
-            self.pool.eject(pe, f"/pd/prefill failed ({type(exc).__name__})")
+            resp = await self._post(pe, "/pd/prefill", {**body, "reservation": reservation})
+            content = await resp.read()
+        except upstream.UpstreamError as exc:
+            self.pool.eject(pe, f"/pd/prefill failed ({exc})")
             events.put_nowait(
                 (
                     "prefill_failed",
@@ -253,11 +255,11 @@ class PDDriver:
         if resp.status_code == 200:
             self.metrics.handoff_latency.observe(time.monotonic() - start)
             try:
-                events.put_nowait(("prefilled", prompt_logprobs_of(resp.json())))
+                events.put_nowait(("prefilled", prompt_logprobs_of(json.loads(content))))
             except ValueError as exc:  # a PE of another version
                 events.put_nowait(("prefill_failed", Retry("handoff_failed", f"prefill on {pe.url}: {exc}", pe.url)))
             return
-        error, _ = _error(resp, resp.content)
+        error, _ = _error(resp, content)
         # The CE accepted this request, so a 4xx here is the PE's disagreement (another
         # version, another model), and a 503 an overloaded or dying PE: try another PE.
         # 502/504: the hand-off failed (a CE that went away is ejected by its own stream or

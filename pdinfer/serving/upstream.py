@@ -116,8 +116,9 @@ class _Connection(asyncio.Protocol):
         if not self.buffer and not self.closed:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
-                await asyncio.wait_for(self._waiter, timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout_s):
+                    await self._waiter
+            except TimeoutError:
                 raise UpstreamError(f"no answer from the engine for {timeout_s:g} s", before_head=False) from None
             finally:
                 self._waiter = None
@@ -173,6 +174,17 @@ class UpstreamResponse:
         self.ended = True
         if self._conn.transport is not None:
             self._conn.transport.close()
+
+
+async def sse_data(resp: UpstreamResponse) -> AsyncIterator[bytes]:
+    """The payloads of the ``data:`` lines of an SSE answer, in order."""
+    rest = b""
+    async for data in resp.chunks():
+        lines = (rest + data).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            if line.startswith(b"data: "):
+                yield line[6:]
 
 
 async def send(
