@@ -43,8 +43,8 @@ class Traced(LLMEngine):
         self.trace.append("init_pd_split")
         self.pd_split_saw_cache = self.model_runner.cache is not None and not hasattr(self, "scheduler")
 
-    def _launch(self, plan):
-        inflight = super()._launch(plan)
+    def _launch(self, plan, in_flight=None):
+        inflight = super()._launch(plan, in_flight)
         if inflight is not None:
             self.trace.append("launch")
         return inflight

@@ -137,3 +137,47 @@ def test_through_a_pe_to_ce_hand_off_the_output_validates():
     finally:
         pe.shutdown()
         ce.shutdown()
+
+
+def test_sampled_mixed_batches_are_the_same_with_and_without_zero_overhead_scheduling(llm, monkeypatch):
+    """Constrained and free requests in one batch, seeded sampling: the grammar masks that
+    zero-overhead scheduling computes while the forward runs land on the same rows, so every
+    token equals the one the plain step loop samples."""
+    mixed = [
+        SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=60, structured_outputs={"json": SCHEMA}),
+        SamplingParams(temperature=0.8, seed=4, max_tokens=40),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=30, structured_outputs={"regex": r"[a-z]{3,9}-\d{2}"}),
+        SamplingParams(temperature=0.0, max_tokens=50, logit_bias={11: 5.0}),
+    ]
+
+    def run(model):
+        outs = model.generate(PROMPTS, mixed, use_tqdm=False)
+        assert_blocks_back(model.engine)
+        return [[c.token_ids for c in o.outputs] for o in outs]
+
+    overlapped = run(llm)
+    monkeypatch.setenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", "0")
+    plain = make_llm(max_model_len=1024)
+    assert not plain.engine.zero_overhead
+    assert run(plain) == overlapped
+
+
+def test_a_constrained_step_is_launched_before_the_step_in_flight_is_processed(llm):
+    """With zero-overhead scheduling a decode step of a constrained sequence does not first
+    finish the step in flight: it is launched with its masks deferred (filled in while its
+    forward runs), and the outputs still validate."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs={"json": SCHEMA})
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"defer-{i}", prompt, params)
+    deferred, tokens = 0, {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step_deltas():
+            for seq in delta.seqs:
+                tokens.setdefault(delta.request_id, []).extend(seq.token_ids)
+        inflight = engine._inflight
+        deferred += inflight is not None and inflight.inp.masks_later is not None
+    assert deferred >= 10  # every decode step of this batch: one per token
+    for ids in tokens.values():
+        jsonschema.validate(json.loads(llm.tokenizer.decode(ids, skip_special_tokens=True)), SCHEMA)
+    assert_blocks_back(engine)

@@ -391,10 +391,12 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         self.post_schedule(plan)
         drained: list[RequestDelta] = []
-        if self._inflight is not None and any(seq.grammar is not None for seq in plan.scheduled_seqs):
+        previous = self._inflight
+        constrained = previous is not None and any(seq.grammar is not None for seq in plan.scheduled_seqs)
+        if constrained and not self._can_defer_masks():
             # A grammar's next mask needs the token in flight: finish that step first.
-            drained = self._post_process_step(self._inflight)
-            self._inflight = None
+            drained = self._post_process_step(previous)
+            self._inflight = previous = None
         if not plan.prompt_run:
             to_copy = [seq for seq in plan.scheduled_seqs if self.should_copy_state(seq)]
             if to_copy:
@@ -403,7 +405,7 @@ class LLMEngine:
             # A decode step on a PE would skip pe_do_save_kvcache: its hand-off would be lost.
             raise RuntimeError("a PROMPT engine scheduled a decode step")
         self._log_step(plan)
-        inflight = self._launch(plan)
+        inflight = self._launch(plan, previous if constrained else None)
         self.last_step_ran = inflight is not None
         if inflight is not None and self.eplb is not None:
             self.eplb.on_step(plan.prompt_run)  # may rearrange the experts after this forward
@@ -412,11 +414,30 @@ class LLMEngine:
         outputs += self.output_processor.scheduler_outputs(plan)
         if not self.zero_overhead:
             return outputs + (self._post_process_step(inflight) if inflight is not None else [])
-        previous, self._inflight = self._inflight, inflight
-        host_work = (lambda: self._post_process_step(previous)) if previous is not None else list
+        self._inflight = inflight
+        if inflight is not None and inflight.inp.masks_later is not None:
+            host_work = inflight.inp.masks_later.take_deltas  # also computes the new step's masks
+        elif previous is not None:
+            host_work = lambda: self._post_process_step(previous)  # noqa: E731
+        else:
+            host_work = list
         return outputs + self.executor.overlap_with(inflight.future if inflight is not None else None, host_work)
 
-    def _launch(self, plan: SchedulerOutputs) -> InFlight | None:
+    def _can_defer_masks(self) -> bool:
+        """Whether a step's grammar masks may wait for the host work overlapped with its
+        forward (``structured.DeferredMasks``): only where nothing waits for the launched step
+        before that host work (no KV store, EPLB or DP group; not a PROMPT engine, whose
+        hand-off reads the KV of a step it just launched)."""
+        return (
+            self.engine_type is not EngineType.PROMPT
+            and self.kv_store is None
+            and self.eplb is None
+            and self.scheduler.dp_group.size == 1
+        )
+
+    def _launch(self, plan: SchedulerOutputs, in_flight: InFlight | None = None) -> InFlight | None:
+        """Build and launch the plan's step. ``in_flight``: the step still in flight, which the
+        new step's grammar masks wait for (``structured.DeferredMasks``)."""
         # In a DP group a rank's companion empty prefill step still runs an (empty) forward,
         # so every rank keeps the same beat.
         companion = plan.prompt_run and self.scheduler.dp_group.size > 1
@@ -425,7 +446,12 @@ class LLMEngine:
         companion = companion or self.model_runner.dispatcher is not None
         if plan.is_empty and not plan.clone_blocks and not companion:
             return None
-        inp, owners, prompt_owners = self.step_builder.build(plan)
+        inp, owners, prompt_owners = self.step_builder.build(plan, defer_masks=in_flight is not None)
+        if in_flight is not None:
+            from pdinfer.engine.structured import DeferredMasks
+
+            grammars = {i: seq.grammar for i, (seq, _) in enumerate(owners) if inp.samples[i].masked_later}
+            inp.masks_later = DeferredMasks(lambda: self._post_process_step(in_flight), grammars)
         return InFlight(plan, inp, owners, self.executor.launch(inp), prompt_owners)
 
     def pre_sampler_sync(self, plan: SchedulerOutputs) -> None:

@@ -16,9 +16,12 @@ class StepBuilder:
         self.next_step_id = 0
         self.last_sample: dict[int, tuple[int, int]] = {}  # seq_id -> (step id, sample index)
 
-    def build(self, plan: SchedulerOutputs) -> tuple[StepInput, list[tuple[Sequence, int]], list[tuple[Sequence, int]]]:
+    def build(
+        self, plan: SchedulerOutputs, defer_masks: bool = False
+    ) -> tuple[StepInput, list[tuple[Sequence, int]], list[tuple[Sequence, int]]]:
         """The step input; for each sample the sequence it belongs to and which copy it is; and
-        the sequences whose prompt log-probs the step computes, with their number of rows."""
+        the sequences whose prompt log-probs the step computes, with their number of rows.
+        ``defer_masks``: grammar masks are left to be filled in later (``SampleSpec.masked_later``)."""
         step_id = self.next_step_id
         self.next_step_id += 1
         inp = StepInput(
@@ -37,7 +40,7 @@ class StepBuilder:
         for seq, num_tokens, do_sample in zip(plan.scheduled_seqs, plan.num_scheduled_tokens, plan.do_sample):
             if plan.prompt_run and seq.needs_prompt_logprobs:
                 self._add_prompt_rows(inp, prompt_owners, seq, num_tokens)
-            self._add_seq(inp, owners, seq, num_tokens, do_sample)
+            self._add_seq(inp, owners, seq, num_tokens, do_sample, defer_masks)
         return inp, owners, prompt_owners
 
     @staticmethod
@@ -57,7 +60,9 @@ class StepBuilder:
         prompt_owners.append((seq, last - done))
         seq.num_prompt_logprobs_scheduled = last
 
-    def _add_seq(self, inp: StepInput, owners: list, seq: Sequence, num_tokens: int, do_sample: bool) -> None:
+    def _add_seq(
+        self, inp: StepInput, owners: list, seq: Sequence, num_tokens: int, do_sample: bool, defer_masks: bool
+    ) -> None:
         end = seq.num_computed_tokens  # already advanced by the scheduler
         start = end - num_tokens
         first_row = len(inp.input_ids)
@@ -82,14 +87,14 @@ class StepBuilder:
         self.last_sample[seq.seq_id] = (inp.step_id, len(inp.samples))
         for copy in range(copies):
             seed = fork_seed(seq.seed, copy)
-            inp.samples.append(_sample_spec(seq, row, end, seed, pending=pending_ref is not None))
+            inp.samples.append(_sample_spec(seq, row, end, seed, pending_ref is not None, defer_masks))
             owners.append((seq, copy))
 
     def forget(self, seq: Sequence) -> None:
         self.last_sample.pop(seq.seq_id, None)
 
 
-def _sample_spec(seq: Sequence, row: int, position: int, seed: int, pending: bool) -> SampleSpec:
+def _sample_spec(seq: Sequence, row: int, position: int, seed: int, pending: bool, defer_mask: bool) -> SampleSpec:
     p = seq.sampling_params
     spec = SampleSpec(
         row=row,
@@ -104,7 +109,8 @@ def _sample_spec(seq: Sequence, row: int, position: int, seed: int, pending: boo
         repetition=p.repetition_penalty,
         logprobs=p.logprobs,
         logit_bias=p.logit_bias,
-        allowed=seq.grammar.next_mask() if seq.grammar is not None else None,
+        allowed=seq.grammar.next_mask() if seq.grammar is not None and not defer_mask else None,
+        masked_later=seq.grammar is not None and defer_mask,
     )
     if spec.needs_penalties:
         spec.output_tokens = list(seq.output_token_ids) + ([PENDING_TOKEN] if pending else [])

@@ -13,9 +13,13 @@ entry; ``Sampler`` applies them with plain torch on the logits' device.
   token's mask, the output processor feeds it the sampled token, and a sequence whose grammar
   has ended (the match is complete and a stop token was taken) is finished.
 
-A mask needs the previous token accepted, so with zero-overhead scheduling a step whose batch
-holds a constrained sequence first finishes the step in flight (``LLMEngine.step_deltas``):
-those steps lose the overlap, the others keep it.
+A mask needs the previous token accepted. With zero-overhead scheduling the next step is
+launched before the step in flight is post-processed, so its masks are deferred
+(``DeferredMasks``): the forward runs while the host post-processes the step in flight (which
+feeds the grammars) and then computes the masks; the runner waits for them just before sampling.
+Where the engine cannot promise that order (a KV store, EPLB, a DP group or a PROMPT engine,
+whose steps may be waited for between launch and post-processing) such a step first finishes the
+step in flight instead (``LLMEngine.step_deltas``).
 """
 
 from __future__ import annotations
@@ -60,6 +64,52 @@ class Grammar:
     @property
     def ended(self) -> bool:
         return bool(self._matcher.is_terminated())
+
+
+class DeferredMasks:
+    """The grammar masks of a step launched while the step before it is in flight.
+
+    ``settle`` (an engine thread: the host work overlapped with the forward, or inline when the
+    step must run before that) post-processes the step in flight once and then computes the
+    masks; ``fill`` (the runner, just before sampling) waits for them and puts them into the
+    samples. A failure of ``settle`` reaches both."""
+
+    def __init__(self, settle_previous, grammars: dict[int, Grammar], wait_s: float = 600.0):
+        self._settle_previous = settle_previous  # () -> the deltas of the step in flight
+        self._grammars = grammars  # sample index -> its sequence's grammar
+        self._wait_s = wait_s
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._masks: dict[int, torch.Tensor | None] = {}
+        self._deltas: list = []
+        self._error: BaseException | None = None
+
+    def settle(self) -> None:
+        with self._lock:
+            if not self._ready.is_set():
+                try:
+                    self._deltas = self._settle_previous()
+                    self._masks = {i: g.next_mask() for i, g in self._grammars.items()}
+                except BaseException as exc:
+                    self._error = exc
+                finally:
+                    self._ready.set()
+        if self._error is not None:
+            raise self._error
+
+    def take_deltas(self) -> list:
+        """The step in flight's deltas, once (after ``settle``)."""
+        self.settle()
+        deltas, self._deltas = self._deltas, []
+        return deltas
+
+    def fill(self, samples) -> None:
+        if not self._ready.wait(self._wait_s):
+            raise RuntimeError(f"the grammar masks of a step were not ready after {self._wait_s:g} s")
+        if self._error is not None:
+            raise RuntimeError("the host work that computes this step's grammar masks failed") from self._error
+        for i, mask in self._masks.items():
+            samples[i].allowed = mask  # None: the grammar ended, the row's token is discarded
 
 
 class GrammarCompiler:

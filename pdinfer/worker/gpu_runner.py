@@ -21,7 +21,7 @@ from pdinfer.layers.attention.triton_paged import use_triton_attention
 from pdinfer.models.llama import LlamaForCausalLM
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
 from pdinfer.worker.gpu_input import GpuInputBuilder, GpuStep
-from pdinfer.worker.sampler import SamplerOutput, score_prompt
+from pdinfer.worker.sampler import SamplerOutput, constraint_tensors, score_prompt
 from pdinfer.worker.step_input import StepInput, StepResult
 
 if TYPE_CHECKING:
@@ -151,6 +151,10 @@ class GpuStepRunner:
         if bucket is not None and step.sample_rows is not None:
             logits = logits.index_select(0, step.sample_rows)
         self._fill_pending_penalty(step)
+        if inp.masks_later is not None:  # computed on the host while the forward ran
+            inp.masks_later.fill(inp.samples)
+            masks = constraint_tensors(inp.samples, self.device)
+            step.sampling.mask_rows, step.sampling.masks = masks.get("mask_rows"), masks.get("masks")
         out = self.runner.sampler(logits, step.sampling)
         if hidden is not None and step.prompt_rows is not None and step.prompt_targets is not None:
             prompt_hidden = hidden.index_select(0, step.prompt_rows)

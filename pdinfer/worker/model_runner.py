@@ -204,6 +204,8 @@ class ModelRunner:
             hidden = self._forward(inp, input_ids, positions, keep)
         num_samples = len(inp.samples)
         logits = self.model.compute_logits(hidden[:num_samples])
+        if inp.masks_later is not None:
+            inp.masks_later.fill(inp.samples)
         tensors = build_sampling_tensors(inp.samples, self.spec.vocab_size, self.device)
         if tensors.output_tokens is not None and inp.pending:
             self._fill_pending_penalty_tokens(tensors.output_tokens, inp)
@@ -324,10 +326,14 @@ class _CallerStep(Future):
         super().__init__()
         self._executor = executor
         self._inp: StepInput | None = inp  # None once run
+        self.overlapped = False  # run by ``overlap_with``, whose helper settles deferred masks
 
     def run(self) -> None:
         if self.done():  # without the lock: the helper must not wait for the step running now
             return
+        deferred = self._inp.masks_later if self._inp is not None else None
+        if deferred is not None and not self.overlapped:
+            deferred.settle()  # run before its host work (a step-ordered call): settle it here
         with self._executor._lock:  # steps and step-ordered calls never interleave
             if self.done() or self._inp is None:
                 return
@@ -395,6 +401,7 @@ class StepExecutor:
         """``host_work()``'s result, computed while ``step`` (just launched) runs."""
         if isinstance(step, _CallerStep) and not step.done() and self._pool is not None:
             helper = self._pool.submit(host_work)
+            step.overlapped = True
             step.run()
             return helper.result()
         return host_work()

@@ -29,6 +29,7 @@ class SampleSpec:
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed: Any = None  # structured outputs: the allowed tokens, int32 words of 32 bits (a tensor)
+    masked_later: bool = False  # a grammar mask that ``StepInput.masks_later`` fills in before sampling
 
     @property
     def needs_penalties(self) -> bool:
@@ -37,7 +38,7 @@ class SampleSpec:
     @property
     def constrained(self) -> bool:
         """A logit bias or a grammar mask changes this row's logits."""
-        return bool(self.logit_bias) or self.allowed is not None
+        return bool(self.logit_bias) or self.allowed is not None or self.masked_later
 
 
 @dataclass
@@ -60,6 +61,9 @@ class StepInput:
     prompt_rows: list[int] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
     prompt_top_k: int = 0
+    # Grammar masks computed while this step's forward runs (``engine.structured.DeferredMasks``):
+    # the runner calls ``fill(samples)`` just before sampling.
+    masks_later: Any = None
 
     @property
     def num_tokens(self) -> int:
