@@ -81,7 +81,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.num_reported_tokens = 0  # output tokens already sent out in a delta
         self.reported_finished = False  # its finish already went out
-        self.grammar = None  # structured outputs: its matcher (engine/structured.py)
+        self.grammar: Any = None  # structured outputs: its matcher (engine/structured.py)
         self.num_steps_scheduled = 0
         self.first_token_time: float | None = None
         self.handoff: Any = None  # P/D bookkeeping, owned by the PE/CE subclasses

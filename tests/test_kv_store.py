@@ -15,9 +15,10 @@ import uuid
 
 import pytest
 
+from pdinfer.kv_store.backends import open_store
 from pdinfer.kv_store.directory import SUFFIX, DirectoryStore
 from pdinfer.kv_store.memory import MemoryStore
-from pdinfer.kv_store.store import TieredStore, open_store, prefix_hashes
+from pdinfer.kv_store.store import TieredStore, prefix_hashes
 
 BLOCK = 16
 NUM_KV_BLOCKS = 96

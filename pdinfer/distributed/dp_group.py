@@ -29,10 +29,7 @@ import torch
 import torch.distributed as dist
 
 from pdinfer.distributed.ep_group import TorchExpertGroup
-
-
-class DPGroupError(RuntimeError):
-    """A collective of the DP group failed: a peer died, or did not answer within the timeout."""
+from pdinfer.distributed.group_error import DPGroupError
 
 
 def host_store(host: str, port: int = 0, timeout_s: float = 30.0) -> dist.TCPStore:

@@ -75,7 +75,7 @@ class TorchExpertGroup:
 
 def _group_error(group: TorchExpertGroup, what: str, exc: RuntimeError) -> RuntimeError:
     # A DPGroupError: the rank reports a peer failure and the DP front restarts the group.
-    from pdinfer.distributed.dp_group import DPGroupError
+    from pdinfer.distributed.group_error import DPGroupError
 
     return DPGroupError(
         f"expert-parallel rank {group.rank}/{group.size}: {what} failed (a peer died or did not answer "

@@ -31,12 +31,12 @@ from pdinfer.core.outputs import SchedulerOutputs
 from pdinfer.core.scheduler import Scheduler
 from pdinfer.core.state_manager import StateManager
 from pdinfer.engine.detokenizer import Detokenizer
+from pdinfer.engine.kv_store_agent import KVStoreAgent
 from pdinfer.engine.output_processor import OutputProcessor
 from pdinfer.engine.output_tracker import OutputTracker
 from pdinfer.engine.request import RequestState
 from pdinfer.engine.step_builder import StepBuilder
 from pdinfer.engine_type import EngineType
-from pdinfer.kv_store.agent import KVStoreAgent
 from pdinfer.models.loader import load_tokenizer, resolve_model
 from pdinfer.models.spec import ModelSpec
 from pdinfer.moe.balancer import ExpertLoadBalancer
@@ -393,7 +393,7 @@ class LLMEngine:
         drained: list[RequestDelta] = []
         previous = self._inflight
         constrained = previous is not None and any(seq.grammar is not None for seq in plan.scheduled_seqs)
-        if constrained and not self._can_defer_masks():
+        if previous is not None and constrained and not self._can_defer_masks():
             # A grammar's next mask needs the token in flight: finish that step first.
             drained = self._post_process_step(previous)
             self._inflight = previous = None
@@ -450,7 +450,11 @@ class LLMEngine:
         if in_flight is not None:
             from pdinfer.engine.structured import DeferredMasks
 
-            grammars = {i: seq.grammar for i, (seq, _) in enumerate(owners) if inp.samples[i].masked_later}
+            grammars = {
+                i: seq.grammar
+                for i, (seq, _) in enumerate(owners)
+                if inp.samples[i].masked_later and seq.grammar is not None
+            }
             inp.masks_later = DeferredMasks(lambda: self._post_process_step(in_flight), grammars)
         return InFlight(plan, inp, owners, self.executor.launch(inp), prompt_owners)
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pdinfer.core.outputs import SchedulerOutputs
 from pdinfer.engine.request import fork_seed
 from pdinfer.sequence import Sequence
-from pdinfer.worker.model_runner import PENDING_TOKEN
-from pdinfer.worker.step_input import SampleSpec, StepInput
+from pdinfer.worker.step_input import PENDING_TOKEN, SampleSpec, StepInput
 
 
 class StepBuilder:

@@ -162,16 +162,6 @@ class GrammarCompiler:
             raise ValueError(f"invalid structured_outputs.{kind}: {_first_line(exc)}") from None
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """``logits`` with every token outside ``masks`` (int32 words, bit i of word w = token
-    32w + i) set to -inf in the given rows."""
-    bits = torch.arange(32, device=masks.device, dtype=torch.int32)
-    allowed = ((masks[:, :, None] >> bits) & 1).to(torch.bool).reshape(masks.shape[0], -1)
-    allowed = allowed[:, : logits.shape[-1]]
-    sub = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits.index_put((rows,), sub)
-
-
 def _regex_literal(text: str) -> str:
     return "".join("\\" + c if c in r"\^$.|?*+()[]{}/" else c for c in text)
 

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdinfer.layers import cpu_kernels
-from pdinfer.models.spec import MoESpec
 
 if TYPE_CHECKING:
+    from pdinfer.models.spec import MoESpec
     from pdinfer.moe.dispatch import ExpertDispatcher
     from pdinfer.moe.placement import ExpertPlacement
 

@@ -116,9 +116,8 @@ class _Connection(asyncio.Protocol):
         if not self.buffer and not self.closed:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
-                async with asyncio.timeout(timeout_s):
-                    await self._waiter
-            except TimeoutError:
+                await asyncio.wait_for(self._waiter, timeout_s)  # (asyncio.timeout: Python 3.11 on)
+            except asyncio.TimeoutError:
                 raise UpstreamError(f"no answer from the engine for {timeout_s:g} s", before_head=False) from None
             finally:
                 self._waiter = None

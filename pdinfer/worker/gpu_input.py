@@ -238,7 +238,7 @@ class GpuInputBuilder:
 
     @staticmethod
     def _pending_penalty(inp: StepInput) -> list[tuple[int, int, int, int]]:
-        from pdinfer.worker.model_runner import PENDING_TOKEN
+        from pdinfer.worker.step_input import PENDING_TOKEN
 
         if not inp.pending or not any(s.needs_penalties for s in inp.samples):
             return []

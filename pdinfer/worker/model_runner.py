@@ -29,7 +29,7 @@ from pdinfer.moe.sharding import needs_sharding, shard_experts
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
 from pdinfer.worker.input_builder import build_attention_metadata, build_sampling_tensors
 from pdinfer.worker.sampler import Sampler, SamplerOutput, score_prompt
-from pdinfer.worker.step_input import StepInput, StepResult
+from pdinfer.worker.step_input import PENDING_TOKEN, StepInput, StepResult
 
 if TYPE_CHECKING:
     from pdinfer.distributed.ep_group import TorchExpertGroup
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pdinfer")
 
-PENDING_TOKEN = -2  # in a penalty token list: the token the previous step sampled
 # CPU: a prefill step runs as forwards over whole sequences of about this many tokens, so the
 # activations stay in the last-level cache (faster than one forward over a large step).
 PREFILL_SUBBATCH_TOKENS = 2048

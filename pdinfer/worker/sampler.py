@@ -133,8 +133,6 @@ def apply_constraints(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         assert t.bias_ids is not None and t.bias_values is not None
         logits = logits.index_put((t.bias_rows, t.bias_ids), t.bias_values.to(logits.dtype), accumulate=True)
     if t.masks is not None:
-        from pdinfer.engine.structured import apply_token_bitmask
-
         assert t.mask_rows is not None
         logits = apply_token_bitmask(logits, t.mask_rows, t.masks)
     return logits
@@ -208,3 +206,13 @@ def _top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         drop = (before >= t.top_p[:, None]) & (rank > 0) & (t.top_p[:, None] < 1.0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every token outside ``masks`` (int32 words, bit i of word w = token
+    32w + i) set to -inf in the given rows."""
+    bits = torch.arange(32, device=masks.device, dtype=torch.int32)
+    allowed = ((masks[:, :, None] >> bits) & 1).to(torch.bool).reshape(masks.shape[0], -1)
+    allowed = allowed[:, : logits.shape[-1]]
+    sub = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits.index_put((rows,), sub)

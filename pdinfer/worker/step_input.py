@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+PENDING_TOKEN = -2  # in a penalty token list: the token the previous step sampled
+
 
 @dataclass
 class SampleSpec:

@@ -20,11 +20,13 @@ for now: the CUDA runner has no paged MLA kernel and refuses these models at loa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from pdinfer.worker.step_input import StepInput
+if TYPE_CHECKING:  # the step contract, read by field
+    from pdinfer.worker.step_input import StepInput
 
 
 @dataclass

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdinfer.engine_type import EngineType
+from pdinfer.kv_store.backends import open_store
 from pdinfer.kv_store.loader import BlockLoader
 from pdinfer.kv_store.saver import BackgroundSaver, SaveJob
-from pdinfer.kv_store.store import KVStore, layout_namespace, open_store
+from pdinfer.kv_store.store import KVStore, layout_namespace
 from pdinfer.sequence import Sequence
 
 if TYPE_CHECKING:
