@@ -11,12 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdinfer.layers.rotary import RotaryEmbedding
 from pdinfer.models.checkpoint import GATE_UP, load_checkpoint
-from pdinfer.models.llama import RMSNorm
+from pdinfer.models.llama import RMSNorm, final_logits
 from pdinfer.models.spec import ModelSpec
 
 
@@ -47,10 +46,7 @@ class DecoderLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = self.norm(hidden)
-        if self.lm_head is None:  # tied to the embedding
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+        return final_logits(self, hidden)
 
     def part_rows(self) -> dict[str, tuple[int, int]]:
         """Row ranges of the fused parts that are not halves (q, k, v of a fused qkv)."""

@@ -7,7 +7,7 @@ gate/up projections are fused into one matmul each (fewer, larger kernels).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +129,15 @@ class DecoderLayer(nn.Module):
         return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
+def final_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """Float32 logits of the final norm's output: through ``lm_head``, or the embedding where
+    they are tied (``lm_head`` None; on CPU it may be a packed copy of the tied weight)."""
+    hidden = model.norm(hidden)
+    if model.lm_head is None:
+        return F.linear(hidden, model.embed_tokens.weight).float()
+    return model.lm_head(hidden).float()
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -168,10 +177,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = self.norm(hidden)
-        if self.lm_head is None:  # tied to the embedding
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()  # may be a packed copy of the tied weight on CPU
+        return final_logits(self, hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up on the way."""
