@@ -480,7 +480,14 @@ def test_client_disconnect_without_stream_frees_blocks(server):
 
 
 def test_metrics_expose_the_names(server):
-    text = httpx.get(f"{server}/metrics", timeout=10).text
+    # Each API server counts its own HTTP requests (docs/usage.md): the errors named below are
+    # made on the connection that then scrapes, so one process both counts and answers.
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server, headers=headers, timeout=60) as http:
+        assert http.post("/v1/completions", json={"model": "no-such-model", "prompt": "hi"}).status_code == 404
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "n": 0}).status_code == 400
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
+        text = http.get("/metrics").text
     for name in (
         "pdinfer_time_to_first_token_seconds_bucket",
         "pdinfer_time_per_output_token_seconds_bucket",
