@@ -326,7 +326,6 @@ class Router:
                     path,
                     payload,
                     self._engine_headers,
-                    _CONNECT_TIMEOUT_S,
                     self.config.engine_timeout_s,
                 )
                 try:  # a client that leaves while the engine works on a whole answer cancels it
@@ -432,9 +431,6 @@ class Router:
         finally:
             health.cancel()
             await self.client.aclose()
-
-
-_CONNECT_TIMEOUT_S = 5.0
 
 
 def _relayed_headers(resp: upstream.UpstreamResponse) -> dict[str, str]:

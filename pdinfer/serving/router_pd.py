@@ -28,7 +28,6 @@ from pdinfer.serving.router_pool import EnginePool, RouterMetrics
 logger = logging.getLogger("pdinfer")
 
 _NO_ROOM_BACKOFF_S = 0.05
-_CONNECT_TIMEOUT_S = 5.0
 
 
 class Retry(Exception):
@@ -223,9 +222,7 @@ class PDDriver:
 
     async def _post(self, engine: Engine, path: str, body: dict) -> upstream.UpstreamResponse:
         payload = json.dumps(body, separators=(",", ":")).encode()
-        return await upstream.send(
-            engine.url, "POST", path, payload, self.engine_headers, _CONNECT_TIMEOUT_S, self.engine_timeout_s
-        )
+        return await upstream.send(engine.url, "POST", path, payload, self.engine_headers, self.engine_timeout_s)
 
     async def _read(self, ce: Engine, lines, events: asyncio.Queue) -> None:
         try:

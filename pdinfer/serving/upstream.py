@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 # Reading pauses while this much of an answer waits for a slow client (backpressure to the engine).
 _HIGH_WATER_BYTES = 1 << 20
 _MAX_HEAD_BYTES = 64 << 10
+CONNECT_TIMEOUT_S = 5.0
 
 
 class UpstreamError(ConnectionError):
@@ -192,8 +193,8 @@ async def send(
     path: str,
     body: bytes,
     headers: dict[str, str],
-    connect_timeout_s: float,
     read_timeout_s: float,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
 ) -> UpstreamResponse:
     """Send one request on a new connection and read the answer's head."""
     parts = urlsplit(url)
