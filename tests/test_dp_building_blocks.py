@@ -11,6 +11,7 @@ import textwrap
 import pytest
 from dp_helpers import WAIT_S
 
+from pdinfer.distributed.failure_cause import FailureCause
 from pdinfer.distributed.replica_lb import ReplicaLoadBalancer
 
 
@@ -31,6 +32,41 @@ def test_load_balancer_scores_by_hand():
     lb.release("a")
     lb.release("b")
     assert lb.score(0) == lb.score(1) == 0
+
+
+def test_the_killed_rank_is_named_the_cause_whatever_order_the_front_sees_events_in():
+    # Rank 1 is SIGKILLed; rank 0's collective fails and it exits with code 1. The front may see
+    # rank 0's exit, or its report, before rank 1's exit (CI did once): the cause still wins.
+    killed = "DP rank 1 was killed by SIGKILL"
+    orders = {
+        "exit first": [("exit", 0, 1), ("exit", 1, -9)],
+        "report, exit, then the cause": [("failed", 0, True), ("exit", 0, 1), ("exit", 1, -9)],
+        "cause first": [("exit", 1, -9), ("failed", 0, True), ("exit", 0, 1)],
+    }
+    for name, events in orders.items():
+        cause = FailureCause(grace_s=1.0)
+        for t, (kind, rank, value) in enumerate(events):
+            if kind == "exit":
+                cause.rank_exited(rank, value, now=0.1 * t)
+            else:
+                cause.rank_failed(rank, "all-reduce failed", peer=value, now=0.1 * t)
+        assert cause.take(now=0.3) == killed, name
+        assert cause.take(now=5.0) is None, name  # taken once
+
+
+def test_a_suspect_waits_out_the_grace_period_and_a_ranks_own_failure_does_not():
+    cause = FailureCause(grace_s=1.0)
+    cause.rank_exited(0, 1, now=10.0)  # exited with a code, no report (yet)
+    assert cause.take(now=10.5) is None
+    assert cause.take(now=11.0) == "DP rank 0 exited with code 1"
+    cause.rank_failed(1, "CUDA out of memory", peer=False, now=20.0)  # failed on its own
+    cause.rank_exited(0, 1, now=20.1)  # its peer follows
+    assert cause.take(now=20.1) == "DP rank 1 failed: CUDA out of memory"
+    cause.new_generation()
+    cause.rank_failed(0, "all-reduce failed", peer=True, now=30.0)
+    cause.rank_exited(0, 0, now=30.1)  # after a collective failed, even exit code 0 is a consequence
+    assert cause.take(now=30.2) is None
+    assert cause.take(now=31.0) == "DP rank 0 failed: all-reduce failed"
 
 
 _GROUP_SCRIPT = textwrap.dedent("""

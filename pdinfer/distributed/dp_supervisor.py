@@ -9,7 +9,6 @@ handling messages are recorded and acted on at the end of each round, never re-e
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from pdinfer.distributed.dp_group import default_backend, host_store
+from pdinfer.distributed.failure_cause import FailureCause
 from pdinfer.distributed.front_socket import FrontSocket
 from pdinfer.distributed.launcher import RankLauncher, visible_devices
 from pdinfer.distributed.messages import (
@@ -57,15 +57,6 @@ class _Rank:
     stats: RankStats = field(default_factory=RankStats)
 
 
-def _exit_reason(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with code {returncode}"
-
-
 class GroupSupervisor:
     def __init__(self, front: DPFront):
         self.front, self.options = front, front.options
@@ -76,10 +67,7 @@ class GroupSupervisor:
         self.lb = ReplicaLoadBalancer(self.size)
         self.pending: list[str] = []  # request ids waiting for the group, in arrival order
         self.agents: set[bytes] = set()
-        self._failure: str | None = None
-        self._failure_is_weak = False  # a consequence (a peer's failure), not the cause
-        self._failure_s = 0.0
-        self._peer_failed: set[int] = set()  # ranks whose collective failed, this generation
+        self.failure = FailureCause(CAUSE_GRACE_S)
         self._ever_ready = False
         self._restarts: list[float] = []
         self._stopping = False
@@ -159,11 +147,9 @@ class GroupSupervisor:
             elif isinstance(message, RankReady):
                 self._on_ready(message)
             elif isinstance(message, RankFailed):
-                if message.peer:
-                    self._peer_failed.add(message.rank)
-                self._fail_soon(f"DP rank {message.rank} failed: {message.error}", message.peer)
+                self.failure.rank_failed(message.rank, message.error, message.peer, time.monotonic())
             elif isinstance(message, RankExited):
-                self._on_exit(message.rank, message.returncode)
+                self.failure.rank_exited(message.rank, message.returncode, time.monotonic())
 
     def _apply_commands(self) -> None:
         commands = list(self.front.commands)
@@ -189,25 +175,23 @@ class GroupSupervisor:
     def _watch(self, now: float) -> None:
         for rank, generation, returncode in self.launcher.poll_exited():
             if generation == self.generation:
-                self._on_exit(rank, returncode)
+                self.failure.rank_exited(rank, returncode, now)
         if self.is_ready:
             for i, state in enumerate(self.ranks):
                 if now - state.last_seen_s > self.options.heartbeat_s:
-                    self._fail_soon(f"DP rank {i} sent nothing for {self.options.heartbeat_s:g} s", weak=True)
+                    self.failure.record(
+                        f"DP rank {i} sent nothing for {self.options.heartbeat_s:g} s", now, suspect=True
+                    )
         elif now - self._started_s > self.options.startup_timeout_s:
-            self._fail_soon(f"the DP group did not start within {self.options.startup_timeout_s:g} s")
+            self.failure.record(f"the DP group did not start within {self.options.startup_timeout_s:g} s", now)
         if now - self._last_ping_s >= PING_INTERVAL_S:  # ranks and agents stop if we go silent
             self._last_ping_s = now
             for i in range(self.size) if self.is_ready else ():
                 self._send(i, Ping(self.generation))
             for agent in list(self.agents):
                 self._send_to(agent, Ping(self.generation))
-        if (
-            self._failure is not None
-            and not self._stopping
-            and (not self._failure_is_weak or now - self._failure_s >= CAUSE_GRACE_S)
-        ):
-            reason, self._failure = self._failure, None
+        reason = None if self._stopping else self.failure.take(now)
+        if reason is not None:
             self._restart(reason)
 
     # --- requests ------------------------------------------------------------------------------
@@ -313,26 +297,15 @@ class GroupSupervisor:
             self.socket.send(identity, message)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: that peer is gone
             if rank is not None:
-                self._fail_soon(f"DP rank {rank} is unreachable ({exc})", weak=True)
+                self.failure.record(f"DP rank {rank} is unreachable ({exc})", time.monotonic(), suspect=True)
             else:
                 self.agents.discard(identity)
-
-    def _on_exit(self, rank: int, returncode: int) -> None:
-        # A rank that exits after its collective failed is a consequence, not the cause.
-        self._fail_soon(f"DP rank {rank} {_exit_reason(returncode)}", rank in self._peer_failed)
-
-    def _fail_soon(self, reason: str, weak: bool = False) -> None:
-        """Record a failure, acted on at the end of the round. The cause (a rank that died,
-        or failed on its own) wins over its consequences (peers whose collective failed)."""
-        if self._failure is None or (self._failure_is_weak and not weak):
-            self._failure, self._failure_is_weak = reason, weak
-            self._failure_s = time.monotonic()
 
     def _start_generation(self) -> None:
         self.generation += 1
         now = time.monotonic()
         self.ranks = [_Rank(last_seen_s=now) for _ in range(self.size)]
-        self._peer_failed = set()
+        self.failure.new_generation()
         self.is_ready = False
         self._started_s = now
         self.launcher.start(self.generation)
