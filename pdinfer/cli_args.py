@@ -64,6 +64,7 @@ def non_negative_int(text: str) -> int:
 
 # argparse dest -> EngineArgs field (the same name); collected by engine_args_from
 _ENGINE_FIELDS = (
+    "prefill_attempt_interval",  # serve only
     "model",
     "tokenizer",
     "load_format",

@@ -152,6 +152,17 @@ class MoEConfig:
         return max(self.max_num_prefilling_tokens, self.max_num_decoding_tokens)
 
 
+@dataclass(frozen=True)
+class RunnerOptions:
+    """The worker's settings, read from the environment once (by ``EngineArgs``): the worker and
+    the models never read the environment themselves."""
+
+    cache_dir: str  # where native kernels are built (and converted models cached)
+    cpu_quant_gemm: bool = True  # PDINFER_CPU_QUANT_GEMM
+    cpu_amx: bool = True  # PDINFER_CPU_AMX
+    cpu_decode_stack: bool = True  # PDINFER_CPU_DECODE_STACK
+
+
 def default_kv_cache_memory_bytes() -> int:
     """CPU default: a quarter of physical memory, at most 4 GiB."""
     try:
@@ -195,8 +206,17 @@ class EngineArgs:
     kv_store_bytes: int | None = None  # its bound (default: 16 GiB directory, 1 GiB memory)
     kv_store_memory_bytes: int = 0  # > 0: a memory tier of this size in front of a directory
     kv_store_save_interval_tokens: int = 0  # > 0: also save running sequences every N tokens
-    # Resolved in __post_init__ from the role and the environment:
+    prefill_attempt_interval: int | None = None  # NORMAL's ALL points; None: the environment's
+    # Resolved in __post_init__ from the role and the environment, the only place pdinfer reads
+    # engine settings from it ("rearm"); the engine, worker and models get them from here.
     zero_overhead_scheduling: bool = field(init=False, default=False)
+    prefill_any_attempt_interval: int = field(init=False, default=100)
+    prefill_kv_watermark: float = field(init=False, default=0.95)
+    rearrange_after_prefill: bool = field(init=False, default=True)
+    cache_dir: str = field(init=False, default="")
+    step_log: str = field(init=False, default="")  # a file every step appends its type to
+    kv_secret: str | None = field(init=False, default=None)  # kv_transfer's secret when it names none
+    runner_options: RunnerOptions = field(init=False)
 
     def __post_init__(self) -> None:
         self.engine_type = EngineType.parse(self.engine_type)
@@ -209,15 +229,24 @@ class EngineArgs:
             "PDINFER_ZERO_OVERHEAD_SCHEDULING",
             "1" if self.engine_type.default_zero_overhead_scheduling else "0",
         )
+        # An engine sees the environment as it is when its arguments are made; an explicit
+        # argument wins over it.
         self.zero_overhead_scheduling = bool(env.rearm("PDINFER_ZERO_OVERHEAD_SCHEDULING"))
-        for name in (
-            "PDINFER_PREFILL_ATTEMPT_INTERVAL",
-            "PDINFER_PREFILL_ANY_ATTEMPT_INTERVAL",
-            "PDINFER_PREFILL_KV_WATERMARK",
-            "PDINFER_ENFORCE_EAGER",
-            "PDINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE",
-        ):
-            env.rearm(name)  # an engine sees the environment as it is when it is built
+        if self.prefill_attempt_interval is None:
+            self.prefill_attempt_interval = env.rearm("PDINFER_PREFILL_ATTEMPT_INTERVAL")
+        self.prefill_any_attempt_interval = env.rearm("PDINFER_PREFILL_ANY_ATTEMPT_INTERVAL")
+        self.prefill_kv_watermark = env.rearm("PDINFER_PREFILL_KV_WATERMARK")
+        self.enforce_eager = bool(self.enforce_eager or env.rearm("PDINFER_ENFORCE_EAGER"))
+        self.rearrange_after_prefill = bool(env.rearm("PDINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE"))
+        self.cache_dir = env.rearm("PDINFER_CACHE_DIR")
+        self.step_log = env.rearm("PDINFER_STEP_LOG")
+        self.runner_options = RunnerOptions(
+            self.cache_dir,
+            cpu_quant_gemm=bool(env.rearm("PDINFER_CPU_QUANT_GEMM")),
+            cpu_amx=bool(env.rearm("PDINFER_CPU_AMX")),
+            cpu_decode_stack=bool(env.rearm("PDINFER_CPU_DECODE_STACK")),
+        )
+        self.kv_secret = env.rearm("PDINFER_KV_SECRET") or None
         env.set_role_default("PDINFER_EPLB_INTERVAL", str(self.engine_type.default_eplb_interval))
         if self.eplb_interval is None:
             self.eplb_interval = env.rearm("PDINFER_EPLB_INTERVAL")
@@ -249,9 +278,9 @@ class EngineArgs:
             max_model_len=max_model_len,
             chunked_prefill=self.chunked_prefill,
             stop_preempted_request=bool(self.stop_preempted_request),
-            prefill_attempt_interval=env.get("PDINFER_PREFILL_ATTEMPT_INTERVAL"),
-            prefill_any_attempt_interval=env.get("PDINFER_PREFILL_ANY_ATTEMPT_INTERVAL"),
-            prefill_kv_watermark=env.get("PDINFER_PREFILL_KV_WATERMARK"),
+            prefill_attempt_interval=int(self.prefill_attempt_interval or 0),
+            prefill_any_attempt_interval=self.prefill_any_attempt_interval,
+            prefill_kv_watermark=self.prefill_kv_watermark,
         )
 
     def create_cache_config(self) -> CacheConfig:
@@ -280,5 +309,5 @@ class EngineArgs:
             expert_parallel_size=self.expert_parallel_size,
             num_redundant_experts=self.num_redundant_experts,
             eplb_interval=int(self.eplb_interval or 0),
-            rearrange_after_prefill=env.get("PDINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE"),
+            rearrange_after_prefill=self.rearrange_after_prefill,
         )

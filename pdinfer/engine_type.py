@@ -16,6 +16,36 @@ class EngineType(enum.Enum):
     PROMPT = 1  # prompts only (prefill engine, "PE")
     COMPLETION = 2  # completions only (decode engine, "CE")
 
+    # --- what each role does: code outside the engine asks these, never "which role is it" ---
+    @property
+    def answers_clients(self) -> bool:
+        """It takes OpenAI requests itself (NORMAL). A PE or CE serves only its half of a P/D
+        hand-off, behind the router."""
+        return self is EngineType.NORMAL
+
+    @property
+    def handoff_side(self) -> str | None:
+        """Its half of the P/D hand-off: "prefill" (PE), "decode" (CE) or None (NORMAL)."""
+        return {EngineType.PROMPT: "prefill", EngineType.COMPLETION: "decode"}.get(self)
+
+    @property
+    def votes_on_step_type(self) -> bool:
+        """Its DP group's ranks vote on every step's type, so they may form a DP group behind
+        one front (NORMAL); PEs and CEs scale by running more of them behind the router."""
+        return self is EngineType.NORMAL
+
+    @property
+    def sizes_for_decode(self) -> bool:
+        """Its largest step is a decode step (COMPLETION): KV profiling and the MoE workspace
+        are sized for max_num_seqs x (1 + draft tokens) tokens, not for a prefill budget."""
+        return self is EngineType.COMPLETION
+
+    @property
+    def eplb_counts_prefill_steps(self) -> bool:
+        """The seed's ``_update_rearrangement``: PROMPT and COMPLETION count every step toward
+        the EPLB interval; NORMAL does not count its prefill steps."""
+        return self is not EngineType.NORMAL
+
     @property
     def default_zero_overhead_scheduling(self) -> bool:
         # A PE's steps are large prefills and it must hand requests over at once; delaying

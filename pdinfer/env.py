@@ -208,6 +208,15 @@ def set_role_default(name: str, value: str) -> None:
         _role_defaults[name] = value
 
 
+def set_mooncake_defaults(host: str) -> None:
+    """Mooncake's own settings, which it reads only from the environment: its TCP lanes on our
+    host (else it may advertise another interface), and only its errors on stderr (it logs every
+    connection at INFO). An operator's values win. This module is the only one that writes the
+    environment."""
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+
 def set_parent_death_signal(sig: int) -> None:
     """Linux: this process gets ``sig`` when its parent dies, even by SIGKILL (PR_SET_PDEATHSIG),
     so no child pdinfer starts outlives its launcher; elsewhere nothing."""

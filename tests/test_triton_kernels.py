@@ -194,7 +194,7 @@ def test_half_precision_decode_close_to_reference():
 
 # --- whole steps through the CUDA step path (GpuStepRunner), on the CPU ----------------------------
 def _tiny_runner():
-    from pdinfer.engine_type import EngineType
+    from pdinfer.config import EngineArgs
     from pdinfer.models.spec import ModelSpec
     from pdinfer.worker.model_runner import ModelRunner
 
@@ -213,7 +213,7 @@ def _tiny_runner():
             "max_position_embeddings": 256,
         }
     )
-    runner = ModelRunner(spec, "", "dummy", torch.float32, torch.device("cpu"), EngineType.NORMAL, seed=3)
+    runner = ModelRunner(spec, "", "dummy", torch.float32, torch.device("cpu"), EngineArgs().runner_options, seed=3)
     return runner
 
 

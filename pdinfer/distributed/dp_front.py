@@ -52,7 +52,6 @@ from pdinfer.engine.client import EngineClient, EngineDeadError, EngineLimits, E
 from pdinfer.engine.core_messages import EngineStats
 from pdinfer.engine.detokenizer import Detokenizer
 from pdinfer.engine.output_tracker import OutputTracker
-from pdinfer.engine_type import EngineType
 from pdinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("pdinfer")
@@ -92,7 +91,7 @@ class DPFront(EngineClient):
         from pdinfer.models.loader import load_tokenizer, resolve_model
         from pdinfer.models.spec import ModelSpec
 
-        if engine_args.role is not EngineType.NORMAL:
+        if not engine_args.role.votes_on_step_type:
             raise ValueError(
                 f"a DP group serves the NORMAL role (its ranks vote on each step's type); "
                 f"{engine_args.role.name} engines scale by running more of them behind the router"
@@ -128,7 +127,7 @@ class DPFront(EngineClient):
         self._supervisor: GroupSupervisor | None = None
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self.role = EngineType.NORMAL
+        self.role = engine_args.role
 
     # --- what the server reads ---------------------------------------------------------------
     @property

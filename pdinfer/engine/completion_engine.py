@@ -37,7 +37,7 @@ class CompletionEngine(LLMEngine):
     def __init__(self, engine_args: EngineArgs, dp_group=None):
         if engine_args.role is not EngineType.COMPLETION:
             raise ValueError("CompletionEngine needs engine_type=COMPLETION")
-        self.pd_config = KVTransferConfig.from_dict(engine_args.kv_transfer)
+        self.pd_config = KVTransferConfig.from_dict(engine_args.kv_transfer, engine_args.kv_secret)
         super().__init__(engine_args, dp_group)
 
     def init_pd_split(self) -> None:

@@ -18,12 +18,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from pdinfer import env
 from pdinfer.config import EngineArgs, default_kv_cache_memory_bytes
 from pdinfer.core.block_manager import BlockManager
 from pdinfer.core.dp import DPGroup
@@ -36,6 +36,7 @@ from pdinfer.engine.output_processor import OutputProcessor
 from pdinfer.engine.output_tracker import OutputTracker
 from pdinfer.engine.request import RequestState
 from pdinfer.engine.step_builder import StepBuilder
+from pdinfer.engine.step_log import StepLog
 from pdinfer.engine_type import EngineType
 from pdinfer.models.loader import load_tokenizer, resolve_model
 from pdinfer.models.spec import ModelSpec
@@ -67,7 +68,7 @@ class LLMEngine:
         self.device, self.dtype = _device_and_dtype(engine_args)
         if self.device.type == "cpu" and engine_args.num_threads:
             torch.set_num_threads(engine_args.num_threads)
-        self.model_folder, hf_config = resolve_model(engine_args.model, env.get("PDINFER_CACHE_DIR"))
+        self.model_folder, hf_config = resolve_model(engine_args.model, engine_args.cache_dir)
         self.spec = ModelSpec.from_hf_config(hf_config)
         self.scheduler_config = engine_args.create_scheduler_config(self.spec.max_position_embeddings)
         self.cache_config = engine_args.create_cache_config()
@@ -81,17 +82,14 @@ class LLMEngine:
             engine_args.load_format,
             self.dtype,
             self.device,
-            self.engine_type,
+            engine_args.runner_options,
             engine_args.seed,
             self.moe_config,
             expert_group,
         )
         self.zero_overhead = engine_args.zero_overhead_scheduling
         self.use_cuda_graph = (
-            self.device.type == "cuda"
-            and not engine_args.enforce_eager
-            and not env.get("PDINFER_ENFORCE_EAGER")
-            and self.engine_type is not EngineType.PROMPT
+            self.device.type == "cuda" and not engine_args.enforce_eager and self.engine_type is not EngineType.PROMPT
         )
         self._init_cache()
         self.block_manager = BlockManager(
@@ -114,7 +112,10 @@ class LLMEngine:
         self.last_step_ran = False  # whether the last step launched device work
         self._ready_outputs: list[RequestDelta] = []
         self._trackers: dict[str, OutputTracker] | None = None  # step()'s client side, once used
-        self._step_log = env.get("PDINFER_STEP_LOG")
+        # Called with every plan about to be launched (``step_log.StepLog`` and the like).
+        self.step_observers: list[Callable[[SchedulerOutputs], None]] = []
+        if engine_args.step_log:
+            self.step_observers.append(StepLog(engine_args.step_log))
         logger.info(
             "%s engine ready: %s, %d KV blocks of %d tokens, zero-overhead scheduling %s",
             self.name,
@@ -134,12 +135,18 @@ class LLMEngine:
             self.num_blocks = cc.num_blocks
         else:
             memory_bytes = cc.kv_cache_memory_bytes
+            # The role's largest step: a CE's is a decode step of every sequence with its draft
+            # tokens (so it gets more blocks than a PE with the same memory), others' a prefill.
+            if self.engine_type.sizes_for_decode:
+                tokens = rows = sc.max_num_seqs * (1 + self.args.num_draft_tokens)
+            else:
+                tokens, rows = sc.max_num_batched_tokens, sc.max_num_seqs
             self.num_blocks = self.model_runner.profile_num_blocks(
                 memory_bytes if memory_bytes is not None else default_kv_cache_memory_bytes(),
                 cc.block_size,
-                sc.max_num_batched_tokens,
-                sc.max_num_seqs,
-                self.args.num_draft_tokens,
+                tokens,
+                rows,
+                self.engine_type.sizes_for_decode,
                 gpu_memory_utilization=cc.gpu_memory_utilization,
             )
         self.model_runner.init_cache(self.num_blocks, cc.block_size)
@@ -404,7 +411,8 @@ class LLMEngine:
         if self.engine_type is EngineType.PROMPT and not plan.prompt_run:
             # A decode step on a PE would skip pe_do_save_kvcache: its hand-off would be lost.
             raise RuntimeError("a PROMPT engine scheduled a decode step")
-        self._log_step(plan)
+        for observe in self.step_observers:
+            observe(plan)
         inflight = self._launch(plan, previous if constrained else None)
         self.last_step_ran = inflight is not None
         if inflight is not None and self.eplb is not None:
@@ -490,11 +498,6 @@ class LLMEngine:
         if delta.finished:
             self.requests.pop(state.request_id, None)
         return delta
-
-    def _log_step(self, plan: SchedulerOutputs) -> None:
-        if self._step_log:
-            with open(self._step_log, "a") as f:
-                f.write(f"{plan.step_type} {len(plan.scheduled_seqs)}\n")
 
     def shutdown(self) -> None:
         if self._inflight is not None:

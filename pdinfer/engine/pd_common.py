@@ -11,7 +11,6 @@ from typing import Any
 
 import msgspec
 
-from pdinfer import env
 from pdinfer.kv_transfer.connector import DEFAULT_HANDSHAKE_TIMEOUT_S, KVConnector
 from pdinfer.kv_transfer.protocol import KVLayout
 
@@ -39,13 +38,14 @@ class KVTransferConfig:
     staging_mib: int = 1024  # cuda_ipc, nccl: the PE's device staging pool (grows when full)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> KVTransferConfig:
+    def from_dict(cls, values: dict[str, Any], default_secret: str | None = None) -> KVTransferConfig:
+        """``default_secret``: ``EngineArgs.kv_secret`` (what `pdinfer launch` hands its engines)."""
         unknown = set(values) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown kv_transfer settings: {sorted(unknown)}")
         config = cls(**values)
-        if config.secret is None and env.rearm("PDINFER_KV_SECRET"):  # what `pdinfer launch` hands its engines
-            config = dataclasses.replace(config, secret=env.get("PDINFER_KV_SECRET"))
+        if config.secret is None and default_secret:
+            config = dataclasses.replace(config, secret=default_secret)
         if config.connector not in CONNECTORS:
             raise ValueError(f"kv_transfer connector must be one of {', '.join(CONNECTORS)}, got {config.connector!r}")
         if config.connector == "mooncake":

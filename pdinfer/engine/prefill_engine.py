@@ -42,7 +42,7 @@ class PrefillEngine(LLMEngine):
     def __init__(self, engine_args: EngineArgs, dp_group=None):
         if engine_args.role is not EngineType.PROMPT:
             raise ValueError("PrefillEngine needs engine_type=PROMPT")
-        self.pd_config = KVTransferConfig.from_dict(engine_args.kv_transfer)
+        self.pd_config = KVTransferConfig.from_dict(engine_args.kv_transfer, engine_args.kv_secret)
         super().__init__(engine_args, dp_group)
         self.output_processor.prefill_only = True
 

@@ -21,12 +21,12 @@ CUDA build, ``mooncake-transfer-engine``, needs libcudart and libcuda to import)
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
+from pdinfer import env
 from pdinfer.kv_transfer.connector import HandshakeError
 from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVAbort, KVAck, KVPush, block_runs
 from pdinfer.kv_transfer.tcp import TcpConnector
@@ -83,10 +83,7 @@ class MooncakeConnector(TcpConnector):
         bytes_per_block: int = 0,
     ):
         transfer_engine = load_transfer_engine()
-        # Mooncake's own settings: its TCP lanes on our host (else it may advertise another
-        # interface), and only its errors on stderr (it logs every connection at INFO).
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        env.set_mooncake_defaults(host)
         self._engine = transfer_engine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
         if rc != 0:

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdinfer.config import MoEConfig
-from pdinfer.engine_type import EngineType
 from pdinfer.layers.moe import SparseMoE
 from pdinfer.moe.placement import ExpertPlacement
 from pdinfer.moe.rebalance import rebalance
@@ -76,7 +75,7 @@ class ExpertLoadBalancer:
     ):
         self.layers, self.config, self.group, self.executor = layers, config, group, executor
         self.timer = RearrangementTimer(
-            config.eplb_interval, config.role is EngineType.NORMAL, config.rearrange_after_prefill
+            config.eplb_interval, not config.role.eplb_counts_prefill_steps, config.rearrange_after_prefill
         )
         self.num_steps = 0  # steps offered (steps that ran a forward)
         self.rearranged_at: list[int] = []  # the steps after which a rearrangement ran

@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, Response
 
 from pdinfer.engine.client import EngineClient, EngineDeadError, EngineOverloadedError, RequestStream
 from pdinfer.engine.output_tracker import ChoiceDelta
-from pdinfer.engine_type import EngineType
 from pdinfer.serving import protocol
 from pdinfer.serving.frontend import (
     DEFAULT_MAX_BODY_BYTES,
@@ -92,7 +91,7 @@ class OpenAIServer:
                 param="model",
                 code="model_not_found",
             )
-        if self.engine.role is not EngineType.NORMAL:
+        if not self.engine.role.answers_clients:
             raise APIError(
                 501,
                 f"this engine plays {self.engine.role.name}: it serves requests "
@@ -281,7 +280,7 @@ def build_app(
     watch = auth if protect_metrics else None
     app.add_api_route("/metrics", server.render_metrics, methods=["GET"], dependencies=watch)
     app.add_api_route("/debug/kv", server.debug_kv, methods=["GET"], dependencies=watch)
-    if async_engine.role is not EngineType.NORMAL:
+    if async_engine.role.handoff_side is not None:
         from pdinfer.serving.pd_server import add_pd_routes
 
         add_pd_routes(app, async_engine, dependencies=auth)

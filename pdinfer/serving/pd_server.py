@@ -14,7 +14,6 @@ from fastapi.responses import StreamingResponse
 
 from pdinfer.engine.client import EngineClient, EngineDeadError, EngineOverloadedError
 from pdinfer.engine.completion_engine import NoRoomError
-from pdinfer.engine_type import EngineType
 from pdinfer.kv_transfer.connector import HandshakeError
 from pdinfer.serving.pd_protocol import (
     DecodeEvent,
@@ -49,7 +48,7 @@ class PDEndpoints:
 
     async def decode(self, body: DecodeRequest) -> StreamingResponse:
         """CE: reserve (or 503 at once), then stream the request's outputs as deltas."""
-        self._require(EngineType.COMPLETION)
+        self._require("decode")
         stream = await self._add(body)
         reservation = stream.accepted
 
@@ -70,7 +69,7 @@ class PDEndpoints:
 
     async def prefill(self, body: PrefillRequest) -> dict:
         """PE: prefill, push K/V + first token to the reserving CE, answer once it confirmed."""
-        self._require(EngineType.PROMPT)
+        self._require("prefill")
         try:
             reservation = body.parsed_reservation()
         except (TypeError, ValueError) as exc:
@@ -99,11 +98,11 @@ class PDEndpoints:
             answer["prompt_logprobs"] = msgspec.to_builtins(stream.tracker.prompt_logprobs)
         return answer
 
-    def _require(self, role: EngineType) -> None:
-        if self.engine.role is not role:
+    def _require(self, side: str) -> None:
+        if self.engine.role.handoff_side != side:
             raise APIError(
                 400,
-                f"this engine plays {self.engine.role.name}; this endpoint is for {role.name} engines",
+                f"this engine plays {self.engine.role.name}; this endpoint is for the {side} side of a P/D hand-off",
                 code="wrong_role",
             )
 

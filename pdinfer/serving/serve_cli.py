@@ -72,7 +72,7 @@ def add_serve_parser(subparsers) -> None:
         help="NORMAL engine: while requests decode, waiting prompts are prefilled only every N "
         "decode steps (at once when nothing runs). Lower N cuts the time to first token of "
         "requests that arrive under load, but interrupts running decodes with prefill steps "
-        "more often (higher time per output token); higher N does the opposite. Sets "
+        "more often (higher time per output token); higher N does the opposite. Wins over "
         f"PDINFER_PREFILL_ATTEMPT_INTERVAL (default: that variable; else {SERVE_PREFILL_ATTEMPT_INTERVAL} "
         "for one engine, whose requests arrive one by one, and the variable's 70 for a DP group)",
     )
@@ -91,11 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
         and args.data_parallel_size == 1
         and not args.headless
     ):
-        args.prefill_attempt_interval = SERVE_PREFILL_ATTEMPT_INTERVAL
-    if args.prefill_attempt_interval is not None:
-        # The scheduler config reads the env snapshot when the engine is built: set it first.
-        os.environ["PDINFER_PREFILL_ATTEMPT_INTERVAL"] = str(args.prefill_attempt_interval)
-        env.rearm("PDINFER_PREFILL_ATTEMPT_INTERVAL")
+        args.prefill_attempt_interval = SERVE_PREFILL_ATTEMPT_INTERVAL  # EngineArgs' field
     args.api_key = args.api_key or env.get("PDINFER_API_KEY") or None
     if args.protect_metrics and not args.api_key:
         raise SystemExit("--protect-metrics needs an API key (--api-key or PDINFER_API_KEY)")
@@ -125,7 +121,7 @@ def _serve_core(args: argparse.Namespace) -> int:
     from pdinfer.serving.api_server import build_app
 
     engine_args = engine_args_from(args, role=args.role)
-    if engine_args.role is not EngineType.NORMAL:
+    if engine_args.role.handoff_side is not None:
         engine_args.kv_transfer = kv_transfer_from(args)
     sock = listening_socket(args.host, args.port)  # first: a taken port fails before the model loads
     try:

@@ -1,7 +1,8 @@
 """Runs the model for one step: inputs to tensors, forward, logits of sampled rows, sampling.
 
-Knows nothing about roles except the few switches the design names (profile shapes, CUDA
-graphs off for PROMPT).
+Knows nothing about roles: the engine tells it the shape of its largest step (``profile_num_blocks``)
+and whether to capture CUDA graphs; its settings come as ``RunnerOptions``, never from the
+environment.
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pdinfer import env
-from pdinfer.config import MoEConfig
-from pdinfer.engine_type import EngineType
+from pdinfer.config import MoEConfig, RunnerOptions
 from pdinfer.layers import cpu_kernels
 from pdinfer.layers.cpu_decode_stack import DecodeStack
 from pdinfer.layers.cpu_linear import pack_linears
@@ -58,7 +57,7 @@ class ModelRunner:
         load_format: str,
         dtype: torch.dtype,
         device: torch.device,
-        engine_type: EngineType,
+        options: RunnerOptions,
         seed: int = 0,
         moe_config: MoEConfig | None = None,
         expert_group: TorchExpertGroup | None = None,
@@ -66,7 +65,6 @@ class ModelRunner:
         self.spec = spec
         self.dtype = dtype
         self.device = device
-        self.engine_type = engine_type
         self.moe_layers: list[SparseMoE] = []  # sharded sparse layers (expert parallelism, EPLB)
         transform = None
         if moe_config is not None and needs_sharding(moe_config):
@@ -82,20 +80,20 @@ class ModelRunner:
             # which also read a GGUF model's quantized blocks in small decode steps and, on CPUs
             # with AMX, in every step of 32+ rows (float32 only: a bfloat16 model runs every
             # linear through oneDNN's bf16 GEMM).
-            self.native_kernels = cpu_kernels.load(env.get("PDINFER_CACHE_DIR"))
+            self.native_kernels = cpu_kernels.load(options.cache_dir)
             use_blocks = (
                 self.native_kernels is not None
                 and load_format != "dummy"
                 and dtype == torch.float32
-                and env.get("PDINFER_CPU_QUANT_GEMM")
+                and options.cpu_quant_gemm
             )
             pack_linears(
                 self.model,
                 self.native_kernels,
                 load_quantized_blocks(folder) if use_blocks else None,
-                amx=bool(use_blocks and env.get("PDINFER_CPU_AMX")),
+                amx=bool(use_blocks and options.cpu_amx),
             )
-            if env.get("PDINFER_CPU_DECODE_STACK") and isinstance(self.model, LlamaForCausalLM):
+            if options.cpu_decode_stack and isinstance(self.model, LlamaForCausalLM):
                 self.model.decode_stack = DecodeStack.build(self.model, self.native_kernels)
         self.sampler = Sampler()
         self.cache: CacheEngine | None = None
@@ -114,23 +112,14 @@ class ModelRunner:
         self,
         memory_bytes: int,
         block_size: int,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        num_draft_tokens: int,
+        tokens: int,
+        rows: int,
+        decode: bool,
         gpu_memory_utilization: float = 0.9,
     ) -> int:
-        """KV blocks that fit next to the peak activations of this role's largest step.
-
-        PROMPT/NORMAL engines size for a full prefill step, COMPLETION engines for a decode
-        step of ``max_num_seqs * (1 + draft tokens)`` tokens, so a CE gets more blocks.
-        """
-        if self.engine_type is EngineType.COMPLETION:
-            tokens = max_num_seqs * (1 + num_draft_tokens)
-            rows = tokens
-        else:
-            tokens, rows = max_num_batched_tokens, max_num_seqs
+        """KV blocks that fit next to the peak activations of the largest step: ``tokens``
+        tokens with ``rows`` logit rows, a decode step or not (the engine's role decides)."""
         if self.gpu is not None:  # measured: a dummy step of this shape, real peak memory
-            decode = self.engine_type is EngineType.COMPLETION
             return self.gpu.profile_num_blocks(block_size, tokens, rows, decode, gpu_memory_utilization)
         peak = self.activation_bytes(tokens, rows)
         if self.dispatcher is not None:  # the all-to-all buffers, sized by the role's MoE workspace
