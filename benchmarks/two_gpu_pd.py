@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 import traceback
-import warnings
 from pathlib import Path
 
 from benchmarks.two_gpu_common import Setup, collect, greedy, summarize, write
@@ -159,7 +158,7 @@ def micro_send(pe, msg: dict) -> dict:
             pending: set[str] = set()
             start = time.perf_counter()
             for rep in range(msg["reps"]):
-                payload, nbytes, crc = pe._payload(pe._read_kv(list(range(nblocks))))
+                payload, nbytes, crc = pe._read_kv(list(range(nblocks))).finish()
                 push = KVPush(
                     transfer_id=f"m{nblocks}-{rep}",
                     request_id="micro",
@@ -196,10 +195,8 @@ def micro_send(pe, msg: dict) -> dict:
 def micro_receive(ce, driver, sizes: list[int], reps: int) -> dict:
     """CE side: a bench connector of the same kind; every push landed (device) or checked and
     written (host payload) as the engine does, then confirmed."""
-    import torch
 
     from pdinfer.engine.pd_common import kv_layout
-    from pdinfer.kv_transfer.protocol import checksum
 
     conn = ce.pd_config.make_connector(listen=True, engine_type=2, device=ce.device)
     conn.register_kv_cache(ce.model_runner.cache.kv)
@@ -213,19 +210,7 @@ def micro_receive(ce, driver, sizes: list[int], reps: int) -> dict:
             if not arrivals:
                 time.sleep(0.0001)
             for arrival in arrivals:
-                push = arrival.push
-                if getattr(conn, "device_payload", False):
-                    error = conn.land(arrival, cache)
-                elif checksum(arrival.payload) != push.checksum:
-                    error = "checksum mismatch"
-                else:
-                    error = None
-                    with warnings.catch_warnings():  # read-only receive buffer: only copied from
-                        warnings.simplefilter("ignore", UserWarning)
-                        data = torch.frombuffer(arrival.payload, dtype=torch.uint8)
-                    cache.write_blocks(
-                        list(push.block_ids), data.view(cache.dtype).view(len(push.block_ids), *cache.block_shape)
-                    )
+                error = conn.land(arrival, cache)  # every transport: into the blocks, checked
                 conn.confirm(arrival, ok=error is None, error=error)
                 done += 1
                 if error:

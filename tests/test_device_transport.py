@@ -140,7 +140,8 @@ def test_pool_grows_when_full_and_regions_come_back():
         cache = SimpleNamespace(kv=kv, bytes_per_block=512)
         a = conn.stage_blocks(cache, [0, 1, 2, 3, 0, 1, 2, 3])  # 4096 bytes: the first segment
         b = conn.stage_blocks(cache, [1])  # no room left: a second segment
-        assert (a.segment is conn.segments[0], b.segment is conn.segments[1]) == (True, True)
+        segments = conn.plane.pool.segments
+        assert (a.segment is segments[0], b.segment is segments[1]) == (True, True)
         a.release()
         b.release()
         assert conn.staged_bytes == 0

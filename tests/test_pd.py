@@ -166,7 +166,10 @@ def test_first_token_comes_from_the_pe_and_ce_never_prefills(tcp_pair, prompt_id
 
 def test_ce_without_room_refuses_and_the_request_is_not_lost(connector, prompt_ids):
     pe = pe_engine(connector=connector)
-    small, big = ce_engine(num_kv_blocks=8, connector=connector), ce_engine(connector=connector)
+    # (mooncake writes in place: the aborted filler's blocks stay quarantined until its
+    # reservation times out, so that timeout is short here)
+    small = ce_engine(num_kv_blocks=8, connector=connector, reservation_timeout_s=2.0)
+    big = ce_engine(connector=connector)
     prompt = {"prompt_token_ids": prompt_ids[6]}  # ~60 tokens + margin: 5 blocks of 16
     small.reserve("filler", prompt, GREEDY)  # 3 of the 8 blocks left: full for now
     with pytest.raises(NoRoomError):
@@ -187,7 +190,7 @@ def test_ce_without_room_refuses_and_the_request_is_not_lost(connector, prompt_i
 def test_a_ce_reserves_no_more_than_the_request_can_use(connector):
     # 3 blocks of 16; 39 prompt tokens + max_tokens 8 need 46 slots: the 16-token decode margin
     # (4 blocks) must not make a request that fits look like one that never will.
-    ce = ce_engine(num_kv_blocks=3, connector=connector)
+    ce = ce_engine(num_kv_blocks=3, connector=connector, reservation_timeout_s=2.0)  # (mooncake: quarantine)
     params = SamplingParams(temperature=0.0, max_tokens=8)
     reservation = ce.reserve("r", {"prompt_token_ids": list(range(1, 40))}, params)
     assert len(reservation.block_ids) == 3

@@ -13,16 +13,13 @@ import logging
 import math
 import time
 import uuid
-import warnings
-
-import torch
 
 from pdinfer.config import EngineArgs
 from pdinfer.engine.llm_engine import LLMEngine
 from pdinfer.engine.pd_common import KVTransferConfig, Reservation, kv_layout
 from pdinfer.engine_type import EngineType
 from pdinfer.kv_transfer.connector import Arrival
-from pdinfer.kv_transfer.protocol import KVAbort, checksum_blocks
+from pdinfer.kv_transfer.protocol import KVAbort
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence, SequenceStatus
 
@@ -57,11 +54,6 @@ class CompletionEngine(LLMEngine):
         # transfer id -> (blocks, deadline) of dropped reservations a PE may still write into
         self.quarantined: dict[str, tuple[list[int], float]] = {}
         self.refused_transfers = 0
-
-    @property
-    def _device_payload(self) -> bool:
-        """cuda_ipc / nccl: a push carries no bytes; ``connector.land`` fetches and checks them."""
-        return getattr(self.connector, "device_payload", False)
 
     @property
     def kv_address(self) -> str:
@@ -165,10 +157,7 @@ class CompletionEngine(LLMEngine):
         assert seq is not None  # _verify refuses a transfer without a reservation
         del self.reservations[push.transfer_id]
         self.connector.gate.finish(push.transfer_id)
-        if self.connector.writes_in_place or self._device_payload:  # in our blocks already, checked
-            self.connector.confirm(arrival, ok=True)
-        else:
-            self._write_payload(arrival)
+        self.connector.confirm(arrival, ok=True)
         seq.seed = push.seed
         seq.num_computed_tokens = push.num_tokens
         seq.handoff = None
@@ -176,19 +165,6 @@ class CompletionEngine(LLMEngine):
         if not seq.is_finished:
             self.scheduler.add_prompted(seq)
         self._ready_outputs.append(self._report(self.requests[seq.request_id]))
-
-    def _write_payload(self, arrival: Arrival) -> None:
-        push, cache = arrival.push, self.model_runner.require_cache()
-        with warnings.catch_warnings():  # read-only receive buffer: we only copy out of it
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(arrival.payload, dtype=torch.uint8)
-        blocks = data.view(cache.dtype).view(len(push.block_ids), *cache.block_shape)
-        write = self.executor.submit_call(cache.write_blocks, list(push.block_ids), blocks)
-        write.add_done_callback(
-            lambda f: self.connector.confirm(
-                arrival, ok=f.exception() is None, error=None if f.exception() is None else str(f.exception())
-            )
-        )
 
     def _verify(self, arrival: Arrival, seq: Sequence | None) -> str | None:
         push, cache = arrival.push, self.model_runner.require_cache()
@@ -205,22 +181,8 @@ class CompletionEngine(LLMEngine):
         expected_blocks = self.block_manager.blocks_for(push.num_tokens)
         if list(push.block_ids) != seq.block_table[:expected_blocks]:
             return "the K/V targets blocks that were not reserved for it"
-        received: list | None  # buffers to checksum; None: landed and checked by the connector
-        if self.connector.writes_in_place:  # check what landed in our own memory
-            size = push.nbytes
-            received = [cache.kv[b].view(-1).view(torch.uint8).numpy() for b in push.block_ids]
-        elif self._device_payload:  # still in the PE's device memory
-            size, received = push.nbytes, None
-        else:
-            size, received = len(arrival.payload), [arrival.payload]
-        if size != push.nbytes or size != expected_blocks * cache.bytes_per_block:
-            return f"payload of {size} bytes, expected {expected_blocks * cache.bytes_per_block}"
-        if received is None:  # copied into our blocks in step order, and checked there
-            error = self.executor.submit_call(self.connector.land, arrival, cache).result()
-            if error is not None:
-                return error
-        elif checksum_blocks(received) != push.checksum:
-            return "checksum mismatch: the K/V was corrupted in transit"
+        if push.nbytes != expected_blocks * cache.bytes_per_block:
+            return f"payload of {push.nbytes} bytes, expected {expected_blocks * cache.bytes_per_block}"
         tokens = push.first_tokens or [push.first_token]
         vocab = self.spec.vocab_size
         if len(tokens) != seq.sampling_params.n or any(not 0 <= t < vocab for t in tokens):
@@ -235,7 +197,9 @@ class CompletionEngine(LLMEngine):
             or any(not 0 <= t < vocab or math.isnan(lp) for t, lp in logprobs.items())
         ):
             return "invalid first-token logprobs"
-        return None
+        # The transaction's landing, last: the K/V into our reserved blocks (or, written in place
+        # already, read there) in step order, its checksum checked where it landed.
+        return self.executor.submit_call(self.connector.land, arrival, cache).result()
 
     def _drop_reservation(self, transfer_id: str, error: str, quarantine: bool = False) -> None:
         seq = self.reservations.pop(transfer_id, None)

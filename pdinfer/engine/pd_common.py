@@ -98,7 +98,12 @@ class KVTransferConfig:
         from pdinfer.kv_transfer.tcp import TcpConnector
 
         return TcpConnector(
-            self.host if listen else None, self.port, secret=self.secret, engine_type=engine_type, **limits
+            self.host if listen else None,
+            self.port,
+            secret=self.secret,
+            engine_type=engine_type,
+            max_push_blocks=max_push_blocks,
+            bytes_per_block=bytes_per_block,
         )
 
 

@@ -23,15 +23,13 @@ import logging
 import time
 from concurrent.futures import Future
 
-import torch
-
 from pdinfer.config import EngineArgs
 from pdinfer.core.outputs import SchedulerOutputs
 from pdinfer.engine.llm_engine import LLMEngine
 from pdinfer.engine.pd_common import Handoff, KVTransferConfig, Reservation, kv_layout
 from pdinfer.engine_type import EngineType
 from pdinfer.kv_transfer.connector import HandshakeError
-from pdinfer.kv_transfer.protocol import KVAbort, KVAck, KVPush, checksum
+from pdinfer.kv_transfer.protocol import KVAbort, KVAck, KVPush
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence, SequenceStatus
 
@@ -75,25 +73,8 @@ class PrefillEngine(LLMEngine):
             seq.handoff.kv_future = self.executor.submit_call(self._read_kv, blocks)
 
     def _read_kv(self, blocks: list[int]):
-        """Step thread, after the forward that wrote ``blocks``: start copying their K/V out."""
-        cache = self.model_runner.require_cache()
-        stage = getattr(self.connector, "stage_blocks", None)
-        if stage is not None:  # a device transport: into its staging pool on the device
-            return stage(cache, blocks)
-        if cache.device.type == "cuda":  # a host transport: into pinned memory, asynchronously
-            return cache.read_blocks_async(blocks)
-        return cache.read_blocks(blocks)
-
-    @staticmethod
-    def _payload(kv) -> tuple[object, int, int]:
-        """(payload, bytes, checksum) of a finished K/V copy (see ``_read_kv``)."""
-        if hasattr(kv, "finish"):
-            return kv.finish()
-        if isinstance(kv, tuple):  # pinned host copy and its event
-            kv, event = kv
-            event.synchronize()
-        data = kv.contiguous().view(-1).view(dtype=torch.uint8).numpy()
-        return data, data.nbytes, checksum(data)
+        """Step thread, after the forward that wrote ``blocks``: the transaction's copy-out."""
+        return self.connector.stage_blocks(self.model_runner.require_cache(), blocks)
 
     def pe_do_save_kvcache(self, scheduled, finished) -> None:
         # ``scheduled`` is the step being post-processed: with zero-overhead scheduling that is
@@ -214,7 +195,7 @@ class PrefillEngine(LLMEngine):
     # --- the hand-off ------------------------------------------------------------------------------
     def _push(self, seq: Sequence, now: float) -> None:
         reservation: Reservation = seq.handoff.reservation
-        data, nbytes, crc = self._payload(seq.handoff.kv_future.result())
+        data, nbytes, crc = seq.handoff.kv_future.result().finish()
         num_blocks = self.block_manager.blocks_for(seq.num_prompt_tokens)
         push = KVPush(
             transfer_id=reservation.transfer_id,
@@ -290,11 +271,7 @@ class PrefillEngine(LLMEngine):
     def _release(self, seq: Sequence) -> None:
         # PROMPT never goes through finalize_seq: this is the only place a PE frees blocks.
         if seq.handoff is not None and seq.handoff.kv_future is not None:
-            kv = seq.handoff.kv_future.result()  # a K/V copy still reads these blocks: wait for it
-            if hasattr(kv, "release"):
-                kv.release()  # (device staging, never sent)
-            elif isinstance(kv, tuple):
-                kv[1].synchronize()
+            seq.handoff.kv_future.result().release()  # a copy still reading these blocks, never sent
         self.scheduler.free_seq(seq)
         self.step_builder.forget(seq)
 

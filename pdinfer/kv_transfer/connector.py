@@ -1,21 +1,32 @@
-"""The KV connector interface: a small set of verbs both transports implement.
+"""The KV connector interface: one hand-off transaction, the same verbs for every transport.
 
-A PE *sends* (and gets acks back); a CE *receives* pushes and *confirms* or refuses each.
-Engines never touch sockets; they call these verbs from their hooks, on their own thread.
+A connector is a control plane (the messages: handshake, pushes, acks, aborts; ZeroMQ in
+``tcp.py``, queues in ``local.py``) composed with a data plane (the bytes: ``data_plane.py``).
+Engines never touch sockets or bytes; they call these verbs from their hooks, on their own
+thread (``stage_blocks`` and ``land`` on the step thread, in step order).
 
-    register(layout)            both: what our KV looks like (used for the handshake)
-    register_kv_cache(kv)       CE: the KV tensor an in-place transport writes into (else no-op)
-    check_address(address)      PE: ValueError unless ``address`` is one this transport can reach
-    start_connect(address)      PE: begin a handshake with a CE; a Future, never blocks
-    finish_connect(address, f)  PE: its result: the CE's instance id, or HandshakeError
-    connect(address)            PE: both in one (blocks until the CE answers or the timeout)
-    gate                        CE: the transfers it waits for (``TransferGate``); the transport
-                                refuses every other push and abort as it arrives
-    send(address, push, data)   PE: queue a push (non-blocking)
-    receive() -> [Arrival]      CE: pushes that arrived (already handshaken and authenticated)
-    confirm(arrival, ok, err)   CE: tell the PE the K/V landed (ok) or why it was refused
-    abort(address, KVAbort)     PE: tell a CE a transfer is cancelled
-    events() -> [KVAck|KVAbort] both: acks (PE) or aborts (CE) that came in
+    register(layout)               both: what our KV looks like (used for the handshake)
+    register_kv_cache(kv)          CE: the KV tensor a plane that writes in place writes into
+    check_address(address)         PE: ValueError unless ``address`` is one this transport can reach
+    start_connect(address)         PE: begin a handshake with a CE; a Future, never blocks
+    finish_connect(address, f)     PE: its result: the CE's instance id, or HandshakeError
+    connect(address)               PE: both in one (blocks until the CE answers or the timeout)
+
+    The transaction, PE side:
+    stage_blocks(cache, blocks)    copy-out, after the forward that wrote them: a ``Staged``,
+                                   whose ``finish()`` gives (payload, nbytes, checksum) and whose
+                                   ``release()`` gives the copy back if it is never sent
+    send(address, push, payload)   payload completion and the push (non-blocking)
+    abort(address, KVAbort)        cancel it (a CE then frees its reservation)
+    events() -> [KVAck]            the CE's answers; staging is released on them
+    The transaction, CE side:
+    gate                           the transfers it waits for (``TransferGate``); the transport
+                                   refuses every other push and abort as it arrives
+    receive() -> [Arrival]         pushes that arrived (handshaken and authenticated)
+    land(arrival, cache) -> error  landing with verification: the K/V into its reserved blocks,
+                                   checksum checked there; why it was refused, or None
+    confirm(arrival, ok, err)      tell the PE (it releases its staging)
+    events() -> [KVAbort]          aborts that came in
     close()
 """
 
@@ -25,6 +36,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from pdinfer.kv_transfer.data_plane import DataPlane, Staged
 from pdinfer.kv_transfer.gate import TransferGate
 from pdinfer.kv_transfer.protocol import KVAbort, KVAck, KVLayout, KVPush
 
@@ -47,6 +59,7 @@ class KVConnector(ABC):
     layout: KVLayout | None = None
     instance_id: str = ""
     gate: TransferGate
+    plane: DataPlane
     # True: the K/V of an arrival is already in the CE's blocks (the payload is empty), and a
     # reserved block may be written by the PE at any time until its push or abort arrives.
     writes_in_place: bool = False
@@ -104,10 +117,19 @@ class KVConnector(ABC):
     @abstractmethod
     def events(self) -> list[KVAck | KVAbort]: ...
 
+    def stage_blocks(self, cache, block_ids: list[int]) -> Staged:
+        """Step thread, after the forward that wrote ``block_ids``: copy their K/V out."""
+        return self.plane.stage(cache, block_ids)
+
     def land(self, arrival: Arrival, cache) -> str | None:
-        """Device-payload transports (``device_payload``): copy an arrival's K/V into its blocks
-        of ``cache`` and check it there; an error, or None."""
-        raise NotImplementedError
+        """Step thread: the arrival's K/V into its blocks of ``cache``, checked there; why it was
+        refused, or None."""
+        return self.plane.land(arrival, cache)
+
+    @property
+    def staged_bytes(self) -> int:
+        """PE: bytes of staging held by transfers not answered yet."""
+        return self.plane.staged_bytes
 
     def close(self) -> None:  # noqa: B027 - optional: transports without resources keep it
         return None

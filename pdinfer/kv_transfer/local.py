@@ -1,8 +1,9 @@
 """An in-process KV connector (tests, and a PE and CE sharing one process).
 
 Same verbs and the same checks as the TCP connector (handshake, layout comparison, shared
-secret, the CE's transfer gate), with queues instead of sockets. Addresses look like
-``local://<name>``.
+secret, the CE's transfer gate), with queues instead of sockets: a control plane of queues
+composed with the plain data plane (``BytesPlane``: the bytes ride with the push). Addresses
+look like ``local://<name>``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import uuid
 from typing import cast
 
 from pdinfer.kv_transfer.connector import DEFAULT_HANDSHAKE_TIMEOUT_S, Arrival, HandshakeError, KVConnector
+from pdinfer.kv_transfer.data_plane import BytesPlane
 from pdinfer.kv_transfer.gate import TransferGate
 from pdinfer.kv_transfer.protocol import KVAbort, KVAck, KVPush, decode, encode
 
@@ -25,6 +27,7 @@ class LocalConnector(KVConnector):
         self.secret = secret.encode() if secret else None
         self.instance_id = uuid.uuid4().hex
         self.gate = TransferGate()
+        self.plane = BytesPlane()
         self._inbox: queue.Queue[Arrival] = queue.Queue()
         self._events: queue.Queue = queue.Queue()
         self._address = f"local://{name or self.instance_id}" if listen else ""

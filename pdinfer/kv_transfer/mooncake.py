@@ -5,7 +5,7 @@ Data plane: the CE registers its whole KV tensor with Mooncake once; the PE regi
 staging buffer (grown when a push needs more), copies the blocks of a push into it and writes
 them with one ``batch_transfer_sync_write`` into the CE's blocks (block-major cache: each block
 is one contiguous chunk). No metadata server: ``P2PHANDSHAKE`` session ids (``host:rpc_port``).
-Control plane (``TcpConnector``): Hello/HelloAck with the layout check and the shared secret
+Control plane (the ZeroMQ one, ``tcp.py``, composed with ``MooncakePlane``): Hello/HelloAck with the layout check and the shared secret
 (the HelloAck adds the CE's session id and where its KV cache lives), then a KVPush with the
 checksum and no payload frame, sent only after the write returned 0; the CE checks the crc32
 over the blocks in its own memory.
@@ -25,10 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from pdinfer import env
 from pdinfer.kv_transfer.connector import HandshakeError
-from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVAbort, KVAck, KVPush, block_runs
+from pdinfer.kv_transfer.data_plane import DataPlane
+from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVAbort, KVAck, KVPush, block_runs, checksum_blocks
 from pdinfer.kv_transfer.tcp import TcpConnector
 
 logger = logging.getLogger("pdinfer")
@@ -68,20 +70,12 @@ class PeerKV:
     num_blocks: int
 
 
-class MooncakeConnector(TcpConnector):
-    data_plane = "mooncake"
+class MooncakePlane(DataPlane):
+    name = "mooncake"
+    carries_payload = False
     writes_in_place = True
 
-    def __init__(
-        self,
-        listen_host: str | None = None,
-        listen_port: int = 0,
-        secret: str | None = None,
-        engine_type: int = 0,
-        host: str = "127.0.0.1",
-        max_push_blocks: int = 0,
-        bytes_per_block: int = 0,
-    ):
+    def __init__(self, host: str = "127.0.0.1"):
         transfer_engine = load_transfer_engine()
         env.set_mooncake_defaults(host)
         self._engine = transfer_engine()
@@ -93,14 +87,6 @@ class MooncakeConnector(TcpConnector):
         self._peer_kv: dict[str, PeerKV] = {}
         self._staging: np.ndarray | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pdinfer-kv-mooncake")
-        super().__init__(
-            listen_host,
-            listen_port,
-            secret=secret,
-            engine_type=engine_type,
-            max_push_blocks=max_push_blocks,
-            bytes_per_block=bytes_per_block,
-        )
 
     # --- CE: our KV cache is the target -------------------------------------------------------------
     def register_kv_cache(self, kv) -> None:
@@ -113,18 +99,25 @@ class MooncakeConnector(TcpConnector):
         _check(self._engine.register_memory(address, nbytes), "register_memory (KV cache)")
         self._kv = (address, nbytes // kv.shape[0], kv.shape[0])
 
-    def _answer_hello(self, identity: bytes, hello: Hello) -> HelloAck:
-        ack = super()._answer_hello(identity, hello)
-        if not ack.ok:
-            return ack
+    def answer_hello(self, identity: bytes, hello: Hello, ack: HelloAck) -> str | None:
         if self._kv is None:
-            return self._refuse_hello(identity, hello, "KV cache not registered yet")
+            return "KV cache not registered yet"
         ack.data_session = self.session_id
         ack.kv_address, ack.kv_block_bytes, ack.kv_num_blocks = self._kv
-        return ack
+        return None
+
+    def land(self, arrival, cache) -> str | None:
+        """The PE wrote the blocks already: check what landed in our own memory."""
+        push = arrival.push
+        blocks = [cache.kv[b].view(-1).view(torch.uint8).numpy() for b in push.block_ids]
+        if sum(b.nbytes for b in blocks) != push.nbytes:
+            return f"the push says {push.nbytes} bytes for {len(blocks)} blocks"
+        return (
+            None if checksum_blocks(blocks) == push.checksum else "checksum mismatch: the K/V was corrupted in transit"
+        )
 
     # --- PE: write, then push ------------------------------------------------------------------------
-    def _check_peer(self, address: str, ack: HelloAck) -> None:
+    def check_peer(self, address: str, ack: HelloAck) -> None:
         if not ack.data_session or not ack.kv_address or ack.kv_block_bytes <= 0:
             raise HandshakeError(
                 f"{address} offers no Mooncake data plane (start it with the mooncake kv connector too)"
@@ -136,17 +129,17 @@ class MooncakeConnector(TcpConnector):
 
     def abort(self, address: str, message: KVAbort) -> None:
         # Behind any write still going to that CE: its abort means "nothing more will be written".
-        self._writer.submit(super().abort, address, message)
+        self._writer.submit(self.link.send_control, address, message)
 
     def _write_then_push(self, address: str, push: KVPush, payload) -> None:
         try:
             self._write(address, push, np.frombuffer(payload, dtype=np.uint8))
         except Exception as exc:  # noqa: BLE001 - reported to the engine as a refused push
             logger.warning("K/V write for transfer %s failed: %s", push.transfer_id, exc)
-            super().abort(address, KVAbort(transfer_id=push.transfer_id, request_id=push.request_id))
-            self._events.put(KVAck(transfer_id=push.transfer_id, ok=False, error=str(exc)))
+            self.link.send_control(address, KVAbort(transfer_id=push.transfer_id, request_id=push.request_id))
+            self.link.post_event(KVAck(transfer_id=push.transfer_id, ok=False, error=str(exc)))
             return
-        self._command(("send", address, [self._seal(address, push)]))
+        self.link.send_control(address, push)
 
     def _write(self, address: str, push: KVPush, data: np.ndarray) -> None:
         peer = self._peer_kv.get(address)
@@ -185,11 +178,11 @@ class MooncakeConnector(TcpConnector):
         self._staging = staging
         return staging
 
+    def drain(self) -> None:
+        """Before the control plane stops: a write in flight finishes before anything goes away."""
+        self._writer.shutdown(wait=True)
+
     def close(self) -> None:
-        if not self._running:
-            return
-        self._writer.shutdown(wait=True)  # a write in flight finishes before anything goes away
-        super().close()
         # After this, writes aimed at our KV cache fail at the sender instead of landing.
         for buffer in (self._kv[0] if self._kv else None, self._staging):
             if buffer is not None:
@@ -200,3 +193,24 @@ class MooncakeConnector(TcpConnector):
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise RuntimeError(f"Mooncake {what} returned {rc}")
+
+
+def MooncakeConnector(  # noqa: N802 - a transport's name, as the other connectors
+    listen_host: str | None = None,
+    listen_port: int = 0,
+    secret: str | None = None,
+    engine_type: int = 0,
+    host: str = "127.0.0.1",
+    max_push_blocks: int = 0,
+    bytes_per_block: int = 0,
+) -> TcpConnector:
+    """The ZeroMQ control plane with Mooncake's data plane."""
+    return TcpConnector(
+        listen_host,
+        listen_port,
+        secret=secret,
+        engine_type=engine_type,
+        max_push_blocks=max_push_blocks,
+        bytes_per_block=bytes_per_block,
+        plane=MooncakePlane(host),
+    )

@@ -1,6 +1,6 @@
 """The KV connector over NCCL point-to-point: K/V sent GPU to GPU by ``send``/``recv``.
 
-Staging is the CUDA IPC connector's: the PE copies a push's blocks into its device pool and
+Staging is a ``StagingPool``, as the CUDA IPC plane's: the PE copies a push's blocks into its device pool and
 checksums them there. Then it sends the KVPush (no payload frame) and, behind it, posts a
 ``send`` of the staged region to the CE. The CE posts the matching ``recv`` into a receive
 buffer as soon as it drains the push from the control channel (every push, in order, even one
@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 from pdinfer.kv_transfer.connector import Arrival, HandshakeError
-from pdinfer.kv_transfer.cuda_ipc import CudaIpcConnector
-from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVPush
-from pdinfer.kv_transfer.staging import DEFAULT_STAGING_BYTES, StagedKV, land_blocks
+from pdinfer.kv_transfer.data_plane import DataPlane
+from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVAbort, KVPush
+from pdinfer.kv_transfer.staging import DEFAULT_STAGING_BYTES, StagedKV, StagingPool, land_blocks
+from pdinfer.kv_transfer.tcp import TcpConnector
 
 logger = logging.getLogger("pdinfer")
 
@@ -67,20 +68,13 @@ def make_pair_group(store, rank: int, device: torch.device, timeout_s: float = G
     return group
 
 
-class NcclConnector(CudaIpcConnector):
-    data_plane = "nccl"
+class NcclPlane(DataPlane):
+    name = "nccl"
+    carries_payload = False
 
-    def __init__(
-        self,
-        listen_host: str | None = None,
-        listen_port: int = 0,
-        secret: str | None = None,
-        engine_type: int = 0,
-        device=None,
-        staging_bytes: int = DEFAULT_STAGING_BYTES,
-        max_push_blocks: int = 0,
-        bytes_per_block: int = 0,
-    ):
+    def __init__(self, device=None, staging_bytes: int = DEFAULT_STAGING_BYTES, listen_host: str | None = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.pool = StagingPool(self.device, staging_bytes)
         self._store = None
         self._store_address = ""
         if listen_host is not None:  # CE: the rendezvous of every pair it forms
@@ -97,31 +91,15 @@ class NcclConnector(CudaIpcConnector):
         self._release_after_send: set[str] = set()  # PE: acked or aborted while still sending
         self._sends_lock = threading.Lock()
         self._send_queues: dict[int, queue.Queue] = {}  # PE: pair group -> its send waiter
-        super().__init__(
-            listen_host,
-            listen_port,
-            secret=secret,
-            engine_type=engine_type,
-            device=device,
-            staging_bytes=staging_bytes,
-            max_push_blocks=max_push_blocks,
-            bytes_per_block=bytes_per_block,
-        )
 
     # --- handshake ----------------------------------------------------------------------------------
-    def _check_segment(self, data: bytes) -> str | None:
-        return None  # nothing of the PE's memory is mapped here
-
-    def _answer_hello(self, identity: bytes, hello: Hello) -> HelloAck:
-        ack = super()._answer_hello(identity, hello)
-        if not ack.ok:
-            return ack
+    def answer_hello(self, identity: bytes, hello: Hello, ack: HelloAck) -> str | None:
         key = f"pair-{uuid.uuid4().hex}"
         ack.data_session = f"{self._store_address}/{key}"
         future: Future = Future()
         self._groups[identity] = future  # a re-handshake (new identity) gets a new group
         threading.Thread(target=self._form_group, args=(key, future), daemon=True, name="pdinfer-kv-nccl-pair").start()
-        return ack
+        return None
 
     def _form_group(self, key: str, future: Future) -> None:
         try:
@@ -131,7 +109,7 @@ class NcclConnector(CudaIpcConnector):
         except Exception as exc:  # noqa: BLE001 - reported when a push from that PE arrives
             future.set_exception(exc)
 
-    def _check_peer(self, address: str, ack: HelloAck) -> None:
+    def check_peer(self, address: str, ack: HelloAck) -> None:
         if not ack.data_session or "/" not in ack.data_session:
             raise HandshakeError(f"{address} offers no NCCL rendezvous (start it with the nccl kv connector)")
         where, key = ack.data_session.rsplit("/", 1)
@@ -143,10 +121,12 @@ class NcclConnector(CudaIpcConnector):
             raise HandshakeError(f"cannot form the NCCL pair with {address}: {exc}") from exc
 
     # --- PE: control message, then the bytes --------------------------------------------------------
+    def stage(self, cache, block_ids: list[int]) -> StagedKV:
+        return self.pool.stage(cache, block_ids)
+
     def send(self, address: str, push: KVPush, payload: StagedKV) -> None:
-        with self._regions_lock:
-            self._regions[push.transfer_id] = payload
-        self._command(("send", address, [self._seal(address, push)]))
+        self.pool.hold(push.transfer_id, payload)
+        self.link.send_control(address, push)
         group = self._peer_groups.get(address)
         if group is None or push.nbytes <= 0:
             return  # "not connected": the socket thread answers with a refusal
@@ -154,6 +134,10 @@ class NcclConnector(CudaIpcConnector):
         with self._sends_lock:
             self._sending.add(push.transfer_id)
         self._waiter(group).put((push.transfer_id, group.send([data], CE_RANK, 0)))
+
+    def abort(self, address: str, message: KVAbort) -> None:
+        self.link.send_control(address, message)
+        self.on_ack(message.transfer_id)
 
     def _waiter(self, group) -> queue.Queue:
         """The queue of the thread that waits for ``group``'s sends, in the order they were posted
@@ -175,7 +159,7 @@ class NcclConnector(CudaIpcConnector):
                 release = done and transfer_id in self._release_after_send
                 self._release_after_send.discard(transfer_id)
             if release:
-                super()._release(transfer_id)
+                self.pool.release(transfer_id)
 
     def _wait_send(self, transfer_id: str, work) -> bool:
         """Wait for one send; False if it failed (its region then stays out of the pool)."""
@@ -195,26 +179,31 @@ class NcclConnector(CudaIpcConnector):
             )
             return False
 
-    def _release(self, transfer_id: str) -> None:
+    def on_ack(self, transfer_id: str) -> None:
         """Free a push's region on its ack or abort, or, while its send is still in flight (an
         abort can come first), once the send completes: the region is reused only then."""
         with self._sends_lock:
             if transfer_id in self._sending:
                 self._release_after_send.add(transfer_id)
                 return
-        super()._release(transfer_id)
+        self.pool.release(transfer_id)
+
+    @property
+    def staged_bytes(self) -> int:
+        return self.pool.staged_bytes
 
     # --- CE: post every recv in order, land in step order --------------------------------------------
-    def _refused_push(self, identity: bytes, push: KVPush) -> None:
+    def refused_push(self, identity: bytes, push: KVPush) -> Arrival | None:
         # The PE sends the bytes of every push it made: the pair's receives must stay matched to
         # its sends in order, so a refused push is still received (and dropped), in turn.
         limit = self.max_push_bytes or push.nbytes
         if identity in self._groups and 0 < push.nbytes <= limit:
-            self._inbox.put(Arrival(push=push, payload=b"", peer=identity, drain_only=True))
+            return Arrival(push=push, payload=b"", peer=identity, drain_only=True)
+        return None
 
-    def receive(self) -> list:
+    def receive(self, arrivals: list[Arrival]) -> list[Arrival]:
         kept = []
-        for arrival in super().receive():
+        for arrival in arrivals:
             push, future = arrival.push, self._groups.get(cast(bytes, arrival.peer))  # the ROUTER identity
             if future is None or push.nbytes <= 0:
                 if not arrival.drain_only:
@@ -238,19 +227,40 @@ class NcclConnector(CudaIpcConnector):
             return "no NCCL pair with the prefill engine that sent this push"
         buffer, work = received
         work.wait()  # NCCL: the current stream waits for the recv; gloo: the host does
-        got = land_blocks(buffer, cache.kv, list(push.block_ids), self._stream(cache.kv.device))
+        got = land_blocks(buffer, cache.kv, list(push.block_ids), self.pool.stream(cache.kv.device))
         return None if got == push.checksum else "checksum mismatch: the K/V was corrupted in transit"
 
-    def confirm(self, arrival, ok: bool, error: str | None = None) -> None:
+    def before_confirm(self, arrival, ok: bool) -> None:
         received = self._received.pop(arrival.push.transfer_id, None)
         if received is not None:  # refused before landing: let its bytes arrive, then drop them
             try:
                 received[1].wait()
             except Exception as exc:  # noqa: BLE001 - refused anyway
                 logger.warning("KV receive of a refused transfer failed: %s", exc)
-        super().confirm(arrival, ok, error)
 
     def close(self) -> None:
         for sends in self._send_queues.values():
             sends.put(None)
-        super().close()
+        self.pool.close()
+
+
+def NcclConnector(  # noqa: N802 - a transport's name, as the other connectors
+    listen_host: str | None = None,
+    listen_port: int = 0,
+    secret: str | None = None,
+    engine_type: int = 0,
+    device=None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    max_push_blocks: int = 0,
+    bytes_per_block: int = 0,
+) -> TcpConnector:
+    """The ZeroMQ control plane with the NCCL data plane."""
+    return TcpConnector(
+        listen_host,
+        listen_port,
+        secret=secret,
+        engine_type=engine_type,
+        max_push_blocks=max_push_blocks,
+        bytes_per_block=bytes_per_block,
+        plane=NcclPlane(device, staging_bytes, listen_host),
+    )

@@ -10,6 +10,7 @@ code runs without a GPU.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import uuid
@@ -19,6 +20,8 @@ import msgspec
 import torch
 
 from pdinfer.kv_transfer.protocol import block_runs
+
+logger = logging.getLogger("pdinfer")
 
 DEFAULT_STAGING_BYTES = 1 << 30
 CHECKSUM_MODULUS = 2**31 - 1
@@ -268,3 +271,78 @@ def stage_into(segment: Segment, offset: int, kv: torch.Tensor, block_ids: list[
         event = torch.cuda.Event()
         event.record(stream)
     return StagedKV(segment, offset, nbytes, event, host)
+
+
+class StagingPool:
+    """A PE's staging segments on its device, and the regions of transfers in flight (freed on
+    the transfer's ack or abort). Segment 0 is made before the first handshake (its info rides
+    in the Hello); another one is added when a push finds no room."""
+
+    def __init__(self, device: torch.device, staging_bytes: int = DEFAULT_STAGING_BYTES):
+        self.device, self.staging_bytes = device, staging_bytes
+        self.segments: list[Segment] = []
+        self._segments_lock = threading.Lock()
+        self._regions: dict[str, StagedKV] = {}  # transfer id -> region until ack or abort
+        self._regions_lock = threading.Lock()
+        self._streams: dict[torch.device, object] = {}
+
+    def first_segment(self) -> Segment:
+        with self._segments_lock:
+            if not self.segments:
+                self.segments.append(Segment(self.staging_bytes, self.device))
+            return self.segments[0]
+
+    def stage(self, cache, block_ids: list[int]) -> StagedKV:
+        """Step thread, after the forward that wrote the blocks: copy them into the pool."""
+        nbytes = len(block_ids) * cache.bytes_per_block
+        segment, offset = self._place(nbytes)
+        return stage_into(segment, offset, cache.kv, list(block_ids), self.stream(cache.kv.device))
+
+    def _place(self, nbytes: int) -> tuple[Segment, int]:
+        self.first_segment()
+        with self._segments_lock:
+            for segment in self.segments:
+                offset = segment.allocator.alloc(nbytes)
+                if offset is not None:
+                    return segment, offset
+            # Full (pushes in flight): another segment; the CE maps it from the push's info.
+            segment = Segment(max(self.staging_bytes, 2 * nbytes), self.device)
+            self.segments.append(segment)
+            logger.info(
+                "KV staging: segment %d of %.0f MiB added (%.0f MiB in flight)",
+                len(self.segments),
+                segment.data.numel() / 2**20,
+                sum(s.allocator.used_bytes for s in self.segments) / 2**20,
+            )
+            offset = segment.allocator.alloc(nbytes)
+            if offset is None:  # a bug: the new segment holds at least 2 * nbytes
+                raise RuntimeError(f"a fresh staging segment cannot hold {nbytes} bytes")
+            return segment, offset
+
+    def hold(self, transfer_id: str, staged: StagedKV) -> None:
+        """The region stays taken until ``release(transfer_id)``."""
+        with self._regions_lock:
+            self._regions[transfer_id] = staged
+
+    def release(self, transfer_id: str) -> None:
+        with self._regions_lock:
+            staged = self._regions.pop(transfer_id, None)
+        if staged is not None:
+            staged.release()
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(s.allocator.used_bytes for s in self.segments)
+
+    def stream(self, device: torch.device):
+        """A side stream per CUDA device (None on CPU)."""
+        if device.type != "cuda":
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def close(self) -> None:
+        for segment in self.segments:
+            segment.close()
+        self.segments = []

@@ -1,5 +1,9 @@
 """The KV connector over ZeroMQ TCP: any two processes, any two hosts.
 
+This is the control plane of every networked transport; a data plane (``data_plane.py``) is
+composed into it: the plain one (``BytesPlane``: the K/V rides in the push's payload frame,
+the "tcp" transport), CUDA IPC, NCCL or Mooncake.
+
 One background thread owns every socket (ZeroMQ sockets are not thread-safe): a ROUTER that
 PEs push to (CE side, the "KV port", its checks in ``tcp_port``) and one DEALER per CE we push
 to (PE side). The engine thread talks to it through queues and a wake-up pipe. Frames:
@@ -23,6 +27,7 @@ import msgspec
 import zmq
 
 from pdinfer.kv_transfer.connector import DEFAULT_HANDSHAKE_TIMEOUT_S, Arrival, HandshakeError, KVConnector
+from pdinfer.kv_transfer.data_plane import BytesPlane, DataPlane
 from pdinfer.kv_transfer.gate import TransferGate
 from pdinfer.kv_transfer.protocol import (
     CONTROL_FRAME_BYTES,
@@ -61,8 +66,6 @@ class _PendingHello:
 
 
 class TcpConnector(KVConnector):
-    data_plane = "zmq"  # K/V bytes ride in the push's payload frame
-
     def __init__(
         self,
         listen_host: str | None = None,
@@ -71,7 +74,11 @@ class TcpConnector(KVConnector):
         engine_type: int = 0,
         max_push_blocks: int = 0,
         bytes_per_block: int = 0,
+        plane: DataPlane | None = None,
     ):
+        self.plane = plane if plane is not None else BytesPlane()
+        self.data_plane = self.plane.name
+        self.writes_in_place = self.plane.writes_in_place
         self.secret = secret.encode() if secret else None
         self.engine_type = engine_type
         self.instance_id = uuid.uuid4().hex
@@ -89,11 +96,13 @@ class TcpConnector(KVConnector):
         self._refusals = RefusalLog()
         self.max_message_bytes = -1  # a PE reads only control messages (its dealers' own bound)
         self.max_push_bytes = max_push_blocks * bytes_per_block  # 0: not known
+        self.plane.max_push_bytes = self.max_push_bytes
+        self.plane.attach(self)
         self._router: zmq.Socket | None = None
         self._port: KVPort | None = None
         self._address = ""
         if listen_host is not None:
-            payload_bytes = bytes_per_block if self.data_plane == "zmq" else 0
+            payload_bytes = bytes_per_block if self.plane.carries_payload else 0
             self.max_message_bytes = frame_limit(max_push_blocks, payload_bytes) if max_push_blocks > 0 else -1
             self._router, self._address = self._bind(listen_host, listen_port)
             self._port = KVPort(self, self._router)
@@ -134,6 +143,7 @@ class TcpConnector(KVConnector):
         self.check_address(address)
         if self.layout is None:
             raise RuntimeError("register(layout) before connect")
+        self.plane.prepare_connect()
         future: Future = Future()
         self._command(("connect", address, (future, timeout_s)))
         return future
@@ -156,7 +166,7 @@ class TcpConnector(KVConnector):
         return self.finish_connect(address, self.start_connect(address, timeout_s))
 
     def _check_peer(self, address: str, ack: HelloAck) -> None:
-        """What a data plane needs from the CE's HelloAck (nothing: ours rides on this socket)."""
+        self.plane.check_peer(address, ack)
 
     def peer_instance(self, address: str) -> str | None:
         return self._peer_instance.get(address)
@@ -166,28 +176,59 @@ class TcpConnector(KVConnector):
         message.session = self._sessions_out.get(address, "")
         return encode(message, self.secret)
 
+    # The hand-off transaction: the data plane's part, then ours.
+    def stage_blocks(self, cache, block_ids: list[int]):
+        return self.plane.stage(cache, block_ids)
+
     def send(self, address: str, push: KVPush, payload) -> None:
-        self._command(("send", address, [self._seal(address, push), payload]))
+        self.plane.send(address, push, payload)
 
     def abort(self, address: str, message: KVAbort) -> None:
-        self._command(("send", address, [self._seal(address, message)]))
+        self.plane.abort(address, message)
+
+    def register_kv_cache(self, kv) -> None:
+        self.plane.register_kv_cache(kv)
 
     def receive(self) -> list[Arrival]:
-        return _drain(self._inbox)
+        return self.plane.receive(_drain(self._inbox))
+
+    def land(self, arrival: Arrival, cache) -> str | None:
+        return self.plane.land(arrival, cache)
 
     def confirm(self, arrival: Arrival, ok: bool, error: str | None = None) -> None:
+        self.plane.before_confirm(arrival, ok)
         ack = KVAck(transfer_id=arrival.push.transfer_id, ok=ok, error=error)
         self._command(("reply", arrival.peer, [encode(ack, self.secret)]))
 
     def events(self) -> list:
-        return _drain(self._events)
+        events = _drain(self._events)
+        for event in events:  # acks made up here ("not connected") never passed _on_ack
+            if isinstance(event, KVAck):
+                self.plane.on_ack(event.transfer_id)
+        return events
+
+    @property
+    def staged_bytes(self) -> int:
+        return self.plane.staged_bytes
 
     def close(self) -> None:
         if not self._running:
             return
+        self.plane.drain()
         self._running = False
         self._command(("stop", None, None))
         self._thread.join(timeout=5)
+        self.plane.close()
+
+    # --- what the data plane may ask (``data_plane.Link``) -------------------------------------
+    def send_control(self, address: str, message: KVPush | KVAbort, payload=None) -> None:
+        frames = [self._seal(address, message)]
+        if payload is not None:
+            frames.append(payload)
+        self._command(("send", address, frames))
+
+    def post_event(self, event) -> None:
+        self._events.put(event)
 
     def _command(self, command) -> None:
         self._commands.put(command)
@@ -294,7 +335,11 @@ class TcpConnector(KVConnector):
         if self.layout is None:  # start_connect checked it
             raise RuntimeError("register(layout) before connect")
         return Hello(
-            layout=self.layout, engine_type=self.engine_type, data_plane=self.data_plane, nonce=uuid.uuid4().hex
+            layout=self.layout,
+            engine_type=self.engine_type,
+            data_plane=self.data_plane,
+            nonce=uuid.uuid4().hex,
+            data_info=self.plane.hello_info(),
         )
 
     def _on_dealer(self, sock) -> None:
@@ -332,15 +377,17 @@ class TcpConnector(KVConnector):
 
     def _on_ack(self, ack: KVAck) -> None:
         """Socket thread: an ack arrived (a device transport frees its staging here)."""
+        self.plane.on_ack(ack.transfer_id)
 
     # --- the CE's side of the handshake (hooks of the KV port) -------------------------------------------
     def _answer_hello(self, identity: bytes, hello: Hello) -> HelloAck:
         """Layout, protocol and data plane checked by the port; a data plane adds its own."""
-        return (
-            self._port.accept_hello(identity, hello)
-            if self._port is not None
-            else self._refuse_hello(identity, hello, "not listening")
-        )
+        if self._port is None:
+            return self._refuse_hello(identity, hello, "not listening")
+        ack = self._port.accept_hello(identity, hello)
+        if ack.ok and (error := self.plane.answer_hello(identity, hello, ack)) is not None:
+            return self._refuse_hello(identity, hello, error)
+        return ack
 
     def _refuse_hello(self, identity: bytes, hello: Hello, error: str) -> HelloAck:
         if self._port is not None:
@@ -350,6 +397,9 @@ class TcpConnector(KVConnector):
     def _refused_push(self, identity: bytes, push: KVPush) -> None:
         """Socket thread: the port refused ``push`` (a transport whose bytes follow on another
         link takes them off it here)."""
+        drain = self.plane.refused_push(identity, push)
+        if drain is not None:
+            self._inbox.put(drain)
 
 
 def _fail(futures: list[Future], error: Exception) -> None:

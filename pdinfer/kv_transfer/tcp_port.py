@@ -143,7 +143,7 @@ class KVPort:
             self._refuse_push(identity, peer, push, "no handshake on this connection")
             return
         nbytes = push.nbytes
-        if connector.data_plane == "zmq":
+        if connector.plane.carries_payload:
             nbytes = len(frames[2]) if len(frames) > 2 else 0
             if nbytes != push.nbytes:
                 self._refuse_push(identity, peer, push, f"{nbytes} bytes of payload, the push says {push.nbytes}")
