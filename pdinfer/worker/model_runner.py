@@ -72,6 +72,9 @@ class ModelRunner:
             def transform(model):
                 self.moe_layers = shard_experts(model, moe_config, expert_group, dtype, device)
 
+        self.batch_invariant = options.batch_invariant
+        if self.batch_invariant:
+            _check_batch_invariant_device(device, dtype)
         self.model = build_model(spec, folder, load_format, dtype, device, seed, transform)
         self.dispatcher = self.moe_layers[0].dispatcher if self.moe_layers else None
         self.native_kernels = None
@@ -87,14 +90,17 @@ class ModelRunner:
                 and dtype == torch.float32
                 and options.cpu_quant_gemm
             )
+            if self.batch_invariant:
+                _check_batch_invariant_model(self.model, self.native_kernels)
             pack_linears(
                 self.model,
                 self.native_kernels,
                 load_quantized_blocks(folder) if use_blocks else None,
                 amx=bool(use_blocks and options.cpu_amx),
+                batch_invariant=self.batch_invariant,
             )
             if options.cpu_decode_stack and isinstance(self.model, LlamaForCausalLM):
-                self.model.decode_stack = DecodeStack.build(self.model, self.native_kernels)
+                self.model.decode_stack = DecodeStack.build(self.model, self.native_kernels, self.batch_invariant)
         self.sampler = Sampler()
         self.cache: CacheEngine | None = None
         # Sampled tokens of the last few steps, on the device, by step id (zero-overhead
@@ -218,7 +224,10 @@ class ModelRunner:
         """Last-layer hidden states of the rows ``keep`` names, in its order."""
         kv = self.require_cache().kv
         model_meta = getattr(self.model, "build_attention_metadata", None)  # a model's own cache layout (MLA)
-        meta = model_meta(inp, kv) if model_meta is not None else build_attention_metadata(inp, kv, self.native_kernels)
+        if model_meta is not None:
+            meta = model_meta(inp, kv)
+        else:
+            meta = build_attention_metadata(inp, kv, self.native_kernels, self.batch_invariant)
         if keep == list(range(inp.num_tokens)):  # a decode step: every row is sampled
             return self.model(input_ids, positions, kv, meta)
         # only the kept rows leave the last layer
@@ -254,6 +263,31 @@ class ModelRunner:
         for i, spec in enumerate(inp.samples):
             if spec.output_tokens and spec.output_tokens[-1] == PENDING_TOKEN:
                 tokens[i, len(spec.output_tokens) - 1] = self._pending_token(*pending_of_row[spec.row])
+
+
+def _check_batch_invariant_device(device: torch.device, dtype: torch.dtype) -> None:
+    """The batch-invariant mode exists on the CPU, in float32 (the CPU default), only."""
+    if device.type != "cpu":
+        raise ValueError(
+            "batch_invariant runs on the CPU only for now: the GPU kernels (Triton attention, "
+            "cuBLAS GEMMs) pick their reduction order by batch shape"
+        )
+    if dtype != torch.float32:
+        raise ValueError(f"batch_invariant on the CPU needs float32 (dtype auto or float32), got {dtype}")
+
+
+def _check_batch_invariant_model(model, kernels) -> None:
+    """What the batch-invariant mode covers: the Llama family through the native kernels."""
+    if kernels is None:
+        raise ValueError(
+            "batch_invariant needs the native CPU kernels (a C++ compiler, g++): the plain torch "
+            "fallback's GEMMs and attention round differently by batch shape"
+        )
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError(
+            f"batch_invariant covers the Llama family (Llama, Qwen2/3, Mistral, SmolLM), not "
+            f"{type(model).__name__}: its MoE routing and expert GEMMs are not batch-invariant yet"
+        )
 
 
 def _prefill_subbatches(inp: StepInput, max_tokens: int, keep: list[int]):
