@@ -115,7 +115,7 @@ def make(batch_invariant: bool, **kwargs) -> LLM:
     return LLM(
         batch_invariant=batch_invariant,
         kv_cache_memory=256 << 20,
-        max_model_len=512,
+        max_model_len=1024,
         enable_prefix_caching=False,  # every run computes every prompt position
         **kwargs,
     )
@@ -150,3 +150,67 @@ def test_logits_do_not_depend_on_prefill_chunks(target, alone, budget):
     llm = make(True, chunked_prefill=True, max_num_batched_tokens=budget)
     chunked = run(llm, LogitsRecorder(llm, TARGET_SEED), target, 3, random.Random(budget))
     assert_same(alone, chunked, f"unchunked vs chunks of {budget} tokens")
+
+
+def test_long_context_decode_does_not_depend_on_the_batch(invariant_llm):
+    """A lone sequence's context of 512 tokens or more is cut into chunks across threads in the
+    default mode (and not in a batch); the mode never cuts it."""
+    llm, recorder = invariant_llm
+    rng = random.Random(5)
+    prompt = random_prompt(rng, 600)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, seed=TARGET_SEED)
+    llm.generate([prompt], params, use_tqdm=False)
+    alone = recorder.take()
+    others = [random_prompt(rng, rng.randint(1, 24)) for _ in range(7)]
+    other_params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, seed=1)
+    llm.generate([*others[:3], prompt, *others[3:]], [other_params] * 3 + [params] + [other_params] * 4, use_tqdm=False)
+    batched = recorder.take()
+    assert sorted(alone) == sorted(batched) == [599, 600, 601]
+    assert all(torch.equal(alone[p], batched[p]) for p in alone)
+
+
+@pytest.mark.parametrize("kind", ["amx", "tiled", "float"])
+def test_each_linear_gives_a_row_the_same_result_at_every_row_count(kind):
+    """The kernel under each layer of the mode: row i of a call over m rows equals the call over
+    row i alone, bit for bit (where the default mode picks a kernel by m)."""
+    from pdinfer.layers import cpu_kernels
+    from pdinfer.layers.cpu_linear import PackedLinear, QuantWeight
+
+    lib = cpu_kernels.load()
+    if lib is None:
+        pytest.skip("no native CPU kernels")
+    if kind == "amx" and not cpu_kernels.amx_available(lib):
+        pytest.skip("no AMX on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    n, k = 96, 256
+    raw = torch.randint(0, 256, (n, k // 32 * 20), dtype=torch.uint8, generator=gen)
+    raw.view(n, -1, 20)[..., 0:4] = torch.tensor([0x00, 0x20, 0x00, 0xA0], dtype=torch.uint8)  # d 2^-7, min -2^-5
+    quant = QuantWeight.from_gguf("Q4_1", raw) if kind != "float" else None
+    weight = quant.dequantize() if quant is not None else torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    layer = PackedLinear(weight, bias, lib, quant, amx=kind == "amx", batch_invariant=True)
+    x = torch.randn(70, k, generator=gen)
+    alone = [layer(x[i : i + 1]) for i in range(len(x))]
+    for m in (1, 3, 4, 5, 9, 31, 32, 33, 70):
+        out = layer(x[:m])
+        assert all(torch.equal(out[i], alone[i][0]) for i in range(m)), f"{kind}, {m} rows"
+    assert torch.allclose(layer(x), torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+
+
+def test_the_mode_is_refused_where_it_does_not_exist():
+    with pytest.raises(ValueError, match="float32"):
+        LLM(batch_invariant=True, dtype="bfloat16", kv_cache_memory=64 << 20)
+
+
+def test_the_cli_flag_reaches_engine_args():
+    from pdinfer.cli import build_parser
+    from pdinfer.cli_args import engine_args_from
+    from pdinfer.serving.launch import engine_flags
+
+    for command in (["serve"], ["generate", "hi"], ["launch", "--prefill", "1", "--decode", "1"]):
+        args = build_parser().parse_args([*command, "--batch-invariant"])
+        engine_args = engine_args_from(args)
+        assert engine_args.batch_invariant and engine_args.runner_options.batch_invariant, command
+        assert not engine_args_from(build_parser().parse_args(command)).batch_invariant, command
+    launched = build_parser().parse_args(["launch", "--prefill", "1", "--decode", "1", "--batch-invariant"])
+    assert "--batch-invariant" in engine_flags(launched)
