@@ -279,7 +279,8 @@ class PackedLinear(nn.Module):
             if self.amx:
                 return self.quant.linear_amx(self.kernels, x, self.bias)
             return self.quant.linear_tiled(self.kernels, x, self.bias)
-        assert self.panels is not None  # set by repack in this mode
+        if self.panels is None or self.kernels is None:  # both set in this mode (__init__, repack)
+            raise RuntimeError("a batch-invariant float layer without its panels")
         return cpu_kernels.panel_linear(self.kernels, x, self.panels, self.weight.shape[0], self.bias)
 
 

@@ -25,6 +25,7 @@ from pdinfer.models.llama import LlamaForCausalLM
 from pdinfer.models.loader import build_model, load_quantized_blocks
 from pdinfer.models.spec import ModelSpec
 from pdinfer.moe.sharding import needs_sharding, shard_experts
+from pdinfer.worker import batch_invariant
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
 from pdinfer.worker.input_builder import build_attention_metadata, build_sampling_tensors
 from pdinfer.worker.sampler import Sampler, SamplerOutput, score_prompt
@@ -74,7 +75,7 @@ class ModelRunner:
 
         self.batch_invariant = options.batch_invariant
         if self.batch_invariant:
-            _check_batch_invariant_device(device, dtype)
+            batch_invariant.check_device(device, dtype)
         self.model = build_model(spec, folder, load_format, dtype, device, seed, transform)
         self.dispatcher = self.moe_layers[0].dispatcher if self.moe_layers else None
         self.native_kernels = None
@@ -91,7 +92,7 @@ class ModelRunner:
                 and options.cpu_quant_gemm
             )
             if self.batch_invariant:
-                _check_batch_invariant_model(self.model, self.native_kernels)
+                batch_invariant.check_model(self.model, self.native_kernels)
             pack_linears(
                 self.model,
                 self.native_kernels,
@@ -263,31 +264,6 @@ class ModelRunner:
         for i, spec in enumerate(inp.samples):
             if spec.output_tokens and spec.output_tokens[-1] == PENDING_TOKEN:
                 tokens[i, len(spec.output_tokens) - 1] = self._pending_token(*pending_of_row[spec.row])
-
-
-def _check_batch_invariant_device(device: torch.device, dtype: torch.dtype) -> None:
-    """The batch-invariant mode exists on the CPU, in float32 (the CPU default), only."""
-    if device.type != "cpu":
-        raise ValueError(
-            "batch_invariant runs on the CPU only for now: the GPU kernels (Triton attention, "
-            "cuBLAS GEMMs) pick their reduction order by batch shape"
-        )
-    if dtype != torch.float32:
-        raise ValueError(f"batch_invariant on the CPU needs float32 (dtype auto or float32), got {dtype}")
-
-
-def _check_batch_invariant_model(model, kernels) -> None:
-    """What the batch-invariant mode covers: the Llama family through the native kernels."""
-    if kernels is None:
-        raise ValueError(
-            "batch_invariant needs the native CPU kernels (a C++ compiler, g++): the plain torch "
-            "fallback's GEMMs and attention round differently by batch shape"
-        )
-    if not isinstance(model, LlamaForCausalLM):
-        raise ValueError(
-            f"batch_invariant covers the Llama family (Llama, Qwen2/3, Mistral, SmolLM), not "
-            f"{type(model).__name__}: its MoE routing and expert GEMMs are not batch-invariant yet"
-        )
 
 
 def _prefill_subbatches(inp: StepInput, max_tokens: int, keep: list[int]):
