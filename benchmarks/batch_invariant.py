@@ -2,6 +2,7 @@
 ``EngineArgs(batch_invariant=True)`` and without, at batch 1, 8 and 32, on the default model.
 
     python benchmarks/batch_invariant.py [--batches 1,8,32] [--prompt-tokens 256] [--new-tokens 64]
+    python benchmarks/batch_invariant.py --gemm   # the GEMMs alone, GFLOP/s by row count
 
 Prefill: B prompts of ``--prompt-tokens`` tokens, one output token each, timed from the first
 step to the last (one prefill step at these sizes). Decode: B prompts of 64 tokens decode
@@ -63,7 +64,9 @@ def measure(batches: list[int], args) -> dict[tuple[str, int, bool], float]:
     from pdinfer import EngineArgs, LLMEngine
 
     engines = {
-        mode: LLMEngine(EngineArgs(batch_invariant=mode, kv_cache_memory=512 << 20, enable_prefix_caching=False))
+        mode: LLMEngine(
+            EngineArgs(batch_invariant=mode, kv_cache_memory=1 << 30, max_model_len=1024, enable_prefix_caching=False)
+        )
         for mode in (False, True)
     }
     results: dict[tuple[str, int, bool], float] = {}
@@ -85,13 +88,50 @@ def measure(batches: list[int], args) -> dict[tuple[str, int, bool], float]:
     return results
 
 
+def gemm_table(rows_list: list[int]) -> None:
+    """GFLOP/s of the default dispatch and of the mode's kernel, for three of the default model's
+    weights (a Q4_1 gate/up and down, the Q8_0 vocabulary projection), by row count."""
+    import torch
+
+    from pdinfer import env
+    from pdinfer.layers import cpu_kernels
+    from pdinfer.layers.cpu_linear import PackedLinear
+    from pdinfer.models.loader import load_quantized_blocks, resolve_model
+
+    folder, _ = resolve_model(None, env.get("PDINFER_CACHE_DIR"))
+    blocks, lib = load_quantized_blocks(folder), cpu_kernels.load(env.get("PDINFER_CACHE_DIR"))
+    table = []
+    for name in ("layers.0.mlp.gate_up_proj.weight", "layers.0.mlp.down_proj.weight", "embed_tokens.weight"):
+        quant = blocks[name]
+        weight = quant.dequantize()
+        layers = {
+            mode: PackedLinear(weight, None, lib, quant, amx=True, batch_invariant=mode) for mode in (False, True)
+        }
+        for m in rows_list:
+            x = torch.randn(m, quant.k)
+            gflops = {}
+            for mode, layer in layers.items():
+                layer(x)
+                start, calls = time.perf_counter(), 0
+                while time.perf_counter() - start < 0.3:
+                    layer(x)
+                    calls += 1
+                gflops[mode] = 2 * m * quant.n * quant.k * calls / (time.perf_counter() - start) / 1e9
+            table.append([name.replace(".weight", ""), m, f"{gflops[False]:.0f}", f"{gflops[True]:.0f}"])
+    print_table(table, ["weight", "rows", "default GFLOP/s", "batch-invariant GFLOP/s"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gemm", action="store_true", help="time the GEMMs alone instead")
     args = parser.parse_args()
+    if args.gemm:
+        gemm_table([1, 4, 8, 32, 256])
+        return
     batches = [int(b) for b in args.batches.split(",")]
     results = measure(batches, args)
     rows = []

@@ -112,13 +112,8 @@ def assert_same(reference, other, what: str) -> None:
 
 def make(batch_invariant: bool, **kwargs) -> LLM:
     kwargs.setdefault("max_num_seqs", 80)
-    return LLM(
-        batch_invariant=batch_invariant,
-        kv_cache_memory=256 << 20,
-        max_model_len=1024,
-        enable_prefix_caching=False,  # every run computes every prompt position
-        **kwargs,
-    )
+    kwargs.setdefault("enable_prefix_caching", False)  # every run computes every prompt position
+    return LLM(batch_invariant=batch_invariant, kv_cache_memory=256 << 20, max_model_len=1024, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +162,21 @@ def test_long_context_decode_does_not_depend_on_the_batch(invariant_llm):
     batched = recorder.take()
     assert sorted(alone) == sorted(batched) == [599, 600, 601]
     assert all(torch.equal(alone[p], batched[p]) for p in alone)
+
+
+def test_a_prefix_cache_hit_gives_the_same_logits(target):
+    """The second run reads the prompt's full blocks from the prefix cache and computes the rest
+    as a chunk: its samples' logits are the first run's."""
+    llm = make(True, enable_prefix_caching=True)
+    recorder = LogitsRecorder(llm, TARGET_SEED)
+    params = SamplingParams(temperature=0.0, max_tokens=TARGET_NEW_TOKENS, ignore_eos=True, seed=TARGET_SEED)
+    first = llm.generate([target], params, use_tqdm=False)[0]
+    cold = recorder.take()
+    second = llm.generate([random_prompt(random.Random(3), 9), target], [params.clone(seed=1), params], use_tqdm=False)
+    assert second[1].num_cached_tokens >= 32 and first.outputs[0].token_ids == second[1].outputs[0].token_ids
+    warm = recorder.take()
+    assert sorted(cold) == sorted(warm) == list(range(TARGET_PROMPT_TOKENS - 1, TARGET_PROMPT_TOKENS + TARGET_NEW_TOKENS - 1))
+    assert all(torch.equal(cold[p], warm[p]) for p in cold)
 
 
 @pytest.mark.parametrize("kind", ["amx", "tiled", "float"])
