@@ -173,9 +173,14 @@ def test_a_prefix_cache_hit_gives_the_same_logits(target):
     first = llm.generate([target], params, use_tqdm=False)[0]
     cold = recorder.take()
     second = llm.generate([random_prompt(random.Random(3), 9), target], [params.clone(seed=1), params], use_tqdm=False)
-    assert second[1].num_cached_tokens >= 32 and first.outputs[0].token_ids == second[1].outputs[0].token_ids
+    assert second[1].metrics is not None and second[1].metrics.num_cached_tokens >= 32
+    assert first.outputs[0].token_ids == second[1].outputs[0].token_ids
     warm = recorder.take()
-    assert sorted(cold) == sorted(warm) == list(range(TARGET_PROMPT_TOKENS - 1, TARGET_PROMPT_TOKENS + TARGET_NEW_TOKENS - 1))
+    assert (
+        sorted(cold)
+        == sorted(warm)
+        == list(range(TARGET_PROMPT_TOKENS - 1, TARGET_PROMPT_TOKENS + TARGET_NEW_TOKENS - 1))
+    )
     assert all(torch.equal(cold[p], warm[p]) for p in cold)
 
 
