@@ -87,6 +87,7 @@ _ENGINE_FIELDS = (
     "seed",
     "num_threads",
     "enforce_eager",
+    "batch_invariant",
     "kv_store",
     "kv_store_bytes",
     "kv_store_memory_bytes",
@@ -156,6 +157,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, include_seed: bool = Tru
     )
     g.add_argument("--num-threads", type=positive_int, default=None, help="torch threads on CPU (default: all cores)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's logits, tokens and log-probs bit-identical whatever else shares its batch "
+        "and however its prefill is chunked (CPU float32; slower small steps, see docs/performance.md)",
+    )
     g.add_argument(
         "--kv-store",
         default=None,

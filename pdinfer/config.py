@@ -161,6 +161,8 @@ class RunnerOptions:
     cpu_quant_gemm: bool = True  # PDINFER_CPU_QUANT_GEMM
     cpu_amx: bool = True  # PDINFER_CPU_AMX
     cpu_decode_stack: bool = True  # PDINFER_CPU_DECODE_STACK
+    # EngineArgs.batch_invariant: a request's logits do not depend on its batch (docs/usage.md)
+    batch_invariant: bool = False
 
 
 def default_kv_cache_memory_bytes() -> int:
@@ -207,6 +209,9 @@ class EngineArgs:
     kv_store_memory_bytes: int = 0  # > 0: a memory tier of this size in front of a directory
     kv_store_save_interval_tokens: int = 0  # > 0: also save running sequences every N tokens
     prefill_attempt_interval: int | None = None  # NORMAL's ALL points; None: the environment's
+    # A request's logits (so its tokens and log-probs) bit-identical whatever else shares its
+    # batch, the batch size and the prefill chunking; CPU float32 only (docs/usage.md).
+    batch_invariant: bool = False
     # Resolved in __post_init__ from the role and the environment, the only place pdinfer reads
     # engine settings from it ("rearm"); the engine, worker and models get them from here.
     zero_overhead_scheduling: bool = field(init=False, default=False)
@@ -245,6 +250,7 @@ class EngineArgs:
             cpu_quant_gemm=bool(env.rearm("PDINFER_CPU_QUANT_GEMM")),
             cpu_amx=bool(env.rearm("PDINFER_CPU_AMX")),
             cpu_decode_stack=bool(env.rearm("PDINFER_CPU_DECODE_STACK")),
+            batch_invariant=bool(self.batch_invariant),
         )
         self.kv_secret = env.rearm("PDINFER_KV_SECRET") or None
         env.set_role_default("PDINFER_EPLB_INTERVAL", str(self.engine_type.default_eplb_interval))

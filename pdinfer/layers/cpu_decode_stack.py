@@ -12,12 +12,14 @@ It covers what those kernels cover: float32 Llama-family layers (QK-norm include
 (one query token per sequence) on the native attention path, and as many rows as every linear's
 native GEMM takes: any step up to ``SMALL_GEMM_MAX_ROWS`` rows, and up to the tiled GEMM's limit when
 every linear has GGUF blocks. Anything else (prefill, a larger batch, no kernels) runs
-the modules, which stay the reference.
+the modules, which stay the reference. In the batch-invariant mode it takes every decode step:
+its linears and attention then run the one kernel per layer that the modules run in that mode.
 """
 
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import torch
 
@@ -27,6 +29,7 @@ from pdinfer.layers.cpu_linear import SMALL_GEMM_MAX_ROWS, PackedLinear
 class _Linear(ctypes.Structure):
     _fields_ = [
         ("weight", ctypes.c_void_p),
+        ("wp", ctypes.c_void_p),  # PackedLinear.panels (the batch-invariant mode's float GEMM)
         ("qs", ctypes.c_void_p),
         ("d", ctypes.c_void_p),
         ("mn", ctypes.c_void_p),
@@ -65,6 +68,7 @@ class _Stack(ctypes.Structure):
         ("rot", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("batch_invariant", ctypes.c_int64),
     ]
 
 
@@ -78,6 +82,7 @@ def _linear(layer: PackedLinear) -> _Linear:
     qt, dt, mt = q.tiles if q is not None else (None, None, None)
     return _Linear(
         _ptr(layer.weight),
+        _ptr(layer.panels),
         _ptr(qs),
         _ptr(d),
         _ptr(mn),
@@ -95,7 +100,7 @@ class DecodeStack:
     """The decoder layers of ``model`` (a ``LlamaForCausalLM`` with packed linears) for
     ``run``; ``build`` returns None for a model the native stack does not cover."""
 
-    def __init__(self, model, lib: ctypes.CDLL, max_rows: int):
+    def __init__(self, model, lib: ctypes.CDLL, max_rows: int, batch_invariant: bool = False):
         spec = model.spec
         layers = list(model.layers)
         self._layers = (_Layer * len(layers))(
@@ -124,12 +129,15 @@ class DecodeStack:
             model.rotary.rotary_dim,
             layers[0].input_layernorm.eps,
             layers[0].self_attn.backend.scale,
+            int(batch_invariant),
         )
         self._lib = lib
         self.max_rows = max_rows
 
     @classmethod
-    def build(cls, model, lib: ctypes.CDLL | None) -> DecodeStack | None:
+    def build(cls, model, lib: ctypes.CDLL | None, batch_invariant: bool = False) -> DecodeStack | None:
+        """``batch_invariant``: the linears run as ``PackedLinear`` does in that mode (one GEMM for
+        every row count, so the stack takes any decode step) and attention never cuts a context."""
         if lib is None or not hasattr(model, "layers"):
             return None
         linears = []
@@ -141,6 +149,10 @@ class DecodeStack:
             linears += mods
         if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
             return None
+        if batch_invariant:
+            if not all(m.batch_invariant for m in linears):
+                return None
+            return cls(model, lib, sys.maxsize, batch_invariant=True)
         if all(m.quant is not None for m in linears):
             return cls(model, lib, min(m.quant.max_rows for m in linears))
         return cls(model, lib, SMALL_GEMM_MAX_ROWS)  # the row-streaming GEMM takes at least as many

@@ -24,6 +24,10 @@ to float32 exactly as they load it; everything else here takes float32 tensors o
 - ``pd_amx_quant_gemm``: the same blocks for steps of 32 rows or more on AMX tiles, where
   the CPU has them: each input value split into three bfloat16 parts, the quants exact in
   bfloat16, float32 sums, so the result keeps float32 accuracy (``amx_gemm.cpp``).
+- ``pd_gemm_panels``: the batch-invariant mode's float GEMM (``cpu_linear``), the tiled GEMM's
+  register tile over a copy of the weights packed in panels of 32 rows: each output is one
+  in-order chain of FMAs whatever the number of rows, where oneDNN and the small GEMM pick
+  their blocking (and rounding) by the row count.
 - ``pd_rms_norm``, ``pd_rotary_qk``, ``pd_silu_and_mul``: one pass each instead of 3-8 small
   torch ops (``FusedOps``, the CPU twin of ``triton_ops``); they matter at small batches, where
   per-op overhead rivals the arithmetic.
@@ -120,13 +124,14 @@ def build(cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()) -> ct
         lib = ctypes.CDLL(str(path))
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         for name, argtypes in [
-            ("pd_paged_decode", [ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, i64]),
+            ("pd_paged_decode", [ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, i64, i64]),
             (
                 "pd_prefill_attention",
                 [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64],
             ),
             ("pd_write_kv", [ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64]),
             ("pd_small_gemm", [ptr, ptr, ptr, ptr, i64, i64, i64]),
+            ("pd_gemm_panels", [ptr, ptr, ptr, ptr, i64, i64, i64]),
             ("pd_quant_gemm", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
             ("pd_quant_gemm_tiled", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
             ("pd_amx_quant_gemm", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
@@ -224,10 +229,12 @@ def paged_decode(
     context_lens: torch.Tensor,
     strides: torch.Tensor,
     scale: float,
+    split_context: bool = True,
 ) -> torch.Tensor:
     """q [B, H, D] (rows may be strided) -> out [B, H, D] in q's dtype; ``strides`` from
     ``kv_strides``. A bfloat16 q is widened to float32 for the kernel, and its output rounded
-    back."""
+    back. ``split_context=False`` (the batch-invariant mode) never cuts a long context into
+    chunks across threads: how it would be cut depends on the batch size."""
     batch, heads, dim = q.shape
     kv_heads, kv_bf16 = layer_cache.shape[3], _kv_bf16(layer_cache)
     q32, out = _float32_io(q)
@@ -246,6 +253,7 @@ def paged_decode(
         q32.stride(0),
         scale,
         kv_bf16,
+        int(split_context),
     )
     return out.to(q.dtype)
 
@@ -343,6 +351,39 @@ def small_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: 
         x.shape[0],
         weight.shape[0],
         weight.shape[1],
+    )
+    return out
+
+
+# Weight rows per panel of ``pd_gemm_panels``' layout (``pack_panels``).
+PANEL_ROWS = 32
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] in ``pd_gemm_panels``' layout: [ceil(N / 32), K, 32], weight rows
+    side by side by panels of 32 (the last padded with zero rows)."""
+    n, k = weight.shape
+    pad = -n % PANEL_ROWS
+    w = torch.cat([weight.detach().float(), weight.new_zeros(pad, k, dtype=torch.float32)])
+    return w.reshape(-1, PANEL_ROWS, k).transpose(1, 2).contiguous()
+
+
+def panel_linear(
+    lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear`` for float32 rows over ``pack_panels(weight)`` (``n``: the weight's rows):
+    the batch-invariant float GEMM, each output one in-order chain of FMAs over K whatever the
+    number of rows."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    lib.pd_gemm_panels(
+        x.data_ptr(),
+        panels.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        n,
+        x.shape[1],
     )
     return out
 

@@ -23,6 +23,16 @@ the quants, small integers, are exact in bfloat16, and each input value is split
 bfloat16 parts, so AMX's bfloat16 products are exact and its float32 sums give float32 accuracy
 (error against float64 below the float32 GEMM's). It reads a third copy of the quants, two
 bytes a weight (``QuantWeight.amx_tiles``, built at load).
+
+The batch-invariant mode (``EngineArgs(batch_invariant=True)``, ``PackedLinear(batch_invariant=
+True)``) gives up that choice by row count: a row's result must not depend on how many rows
+share its call, and each kernel above rounds differently (and oneDNN picks its own blocking by
+the row count). Every linear then runs one kernel for every row count, one whose sum for an
+output is a fixed chain over K: GGUF blocks on AMX tiles where the CPU has them (per output,
+the blocks in order, each block's three tile products then its scale), else the tiled quantized
+GEMM (an in-order FMA chain); float weights (no blocks) ``pd_gemm_panels`` over a copy packed
+in panels of 32 rows (the same register tile, an in-order FMA chain). The cost is the small
+steps' speed (batch-1 decode) where the row-streaming GEMMs were faster; docs/performance.md.
 """
 
 from __future__ import annotations
@@ -178,6 +188,10 @@ class QuantWeight:
         rows of ``x``, tiled above (callers send at most ``max_rows``)."""
         if x.shape[0] <= cpu_kernels.quant_stream_rows(lib):
             return self._run(lib.pd_quant_gemm, x, self.qs, self.d, self.mn, bias)
+        return self.linear_tiled(lib, x, bias)
+
+    def linear_tiled(self, lib, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, dequantize(), bias)`` through the tiled GEMM, for any number of rows."""
         return self._run(lib.pd_quant_gemm_tiled, x, *self.tiles, bias)
 
     def _run(self, gemm, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, mn, bias) -> torch.Tensor:
@@ -216,6 +230,7 @@ class PackedLinear(nn.Module):
         kernels=None,
         quant: QuantWeight | None = None,
         amx: bool = False,
+        batch_invariant: bool = False,
     ):
         super().__init__()
         self.weight = weight
@@ -225,16 +240,30 @@ class PackedLinear(nn.Module):
         self.quant = quant if self.kernels is not None else None
         # from cpu_kernels.amx_min_rows rows, the blocks on AMX tiles (prefill and large batches)
         self.amx = self.quant is not None and amx and cpu_kernels.amx_available(self.kernels)
+        # One kernel for every row count (module docstring); it needs the native kernels.
+        self.batch_invariant = batch_invariant
+        if batch_invariant and self.kernels is None:
+            raise ValueError(
+                "the batch-invariant mode runs float32 linears through the native CPU kernels; "
+                f"this layer is {weight.dtype}, or the kernels are not built"
+            )
         if self.quant is not None:
             _ = self.quant.tiles  # built at load, not in the first large step
             if self.amx:
                 _ = self.quant.amx_tiles
+        self.panels: torch.Tensor | None = None  # the batch-invariant float GEMM's weight copy
         self.repack()
 
     def repack(self) -> None:
+        if self.batch_invariant:
+            # Float weights: the panels instead of oneDNN's copy, which this mode never runs.
+            self.panels = cpu_kernels.pack_panels(self.weight) if self.quant is None else None
+            return
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return self._invariant(x)
         rows = x.shape[0]
         if self.amx and self.quant is not None and rows >= cpu_kernels.amx_min_rows(self.kernels):
             return self.quant.linear_amx(self.kernels, x, self.bias)
@@ -244,9 +273,23 @@ class PackedLinear(nn.Module):
             return cpu_kernels.small_linear(self.kernels, x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
 
+    def _invariant(self, x: torch.Tensor) -> torch.Tensor:
+        """The batch-invariant mode's one kernel for this layer, whatever ``x``'s row count."""
+        if self.quant is not None:
+            if self.amx:
+                return self.quant.linear_amx(self.kernels, x, self.bias)
+            return self.quant.linear_tiled(self.kernels, x, self.bias)
+        if self.panels is None or self.kernels is None:  # both set in this mode (__init__, repack)
+            raise RuntimeError("a batch-invariant float layer without its panels")
+        return cpu_kernels.panel_linear(self.kernels, x, self.panels, self.weight.shape[0], self.bias)
+
 
 def pack_linears(
-    model: nn.Module, kernels=None, quantized: dict[str, QuantWeight] | None = None, amx: bool = False
+    model: nn.Module,
+    kernels=None,
+    quantized: dict[str, QuantWeight] | None = None,
+    amx: bool = False,
+    batch_invariant: bool = False,
 ) -> int:
     """Replace every float32 (and, where oneDNN has bf16 GEMMs, bfloat16) CPU ``nn.Linear`` of
     ``model`` by a ``PackedLinear``; the count.
@@ -256,9 +299,10 @@ def pack_linears(
     ``quantized`` maps weight names (``layers.0.mlp.gate_up_proj.weight``) to their blocks; a
     block set that does not de-quantize to the loaded weight is dropped with a warning. ``amx``:
     layers with blocks run steps from ``cpu_kernels.amx_min_rows`` rows on AMX tiles, where
-    ``cpu_kernels.amx_available``.
+    ``cpu_kernels.amx_available``. ``batch_invariant``: every layer runs one kernel for every
+    row count (module docstring).
     """
-    if not onednn_packing_available():
+    if not batch_invariant and not onednn_packing_available():
         logger.info("oneDNN weight packing is not available; linear layers use F.linear")
         return 0
     quantized = quantized or {}
@@ -275,7 +319,8 @@ def pack_linears(
     if getattr(model, "lm_head", False) is None and isinstance(embed, nn.Embedding):
         weight = embed.weight
         if weight.device.type == "cpu" and weight.dtype in dtypes:
-            model.lm_head = PackedLinear(weight, None, kernels, quant_for("embed_tokens.weight", weight), amx)
+            quant = quant_for("embed_tokens.weight", weight)
+            model.lm_head = PackedLinear(weight, None, kernels, quant, amx, batch_invariant)
     targets = [
         (name, module)
         for name, module in model.named_modules()
@@ -285,5 +330,5 @@ def pack_linears(
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         quant = quant_for(f"{name}.weight", module.weight)
-        setattr(parent, attr, PackedLinear(module.weight, module.bias, kernels, quant, amx))
+        setattr(parent, attr, PackedLinear(module.weight, module.bias, kernels, quant, amx, batch_invariant))
     return len(targets)

@@ -24,9 +24,12 @@ DECODE_GROUP_MIN_FILL = 0.6
 DECODE_GROUP_MAX_BYTES = 16 << 20
 
 
-def build_attention_metadata(inp: StepInput, kv_cache: torch.Tensor, native_kernels=None) -> AttentionMetadata:
+def build_attention_metadata(
+    inp: StepInput, kv_cache: torch.Tensor, native_kernels=None, batch_invariant: bool = False
+) -> AttentionMetadata:
     """Metadata of the torch backend for the cache ``[blocks, layers, 2, block_size, KVH, D]``;
-    attention runs in ``native_kernels`` (``cpu_kernels.load()``) when given."""
+    attention runs in ``native_kernels`` (``cpu_kernels.load()``) when given, and with
+    ``batch_invariant`` never cuts a decode context into chunks."""
     _, num_layers, _, block_size, kv_heads, head_dim = kv_cache.shape
     rows_per_block = 2 * num_layers  # block rows from one block of a layer to the next block
     device = kv_cache.device
@@ -42,6 +45,7 @@ def build_attention_metadata(inp: StepInput, kv_cache: torch.Tensor, native_kern
     )
     if native_kernels is not None:
         meta.native = _native_input(inp, block_size, kv_cache, native_kernels)
+        meta.native.split_context = not batch_invariant
     elif inp.is_prompt:
         start = 0
         for qlen, ctx, table in zip(inp.query_lens, inp.context_lens, inp.block_tables):

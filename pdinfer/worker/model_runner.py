@@ -25,6 +25,7 @@ from pdinfer.models.llama import LlamaForCausalLM
 from pdinfer.models.loader import build_model, load_quantized_blocks
 from pdinfer.models.spec import ModelSpec
 from pdinfer.moe.sharding import needs_sharding, shard_experts
+from pdinfer.worker import batch_invariant
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
 from pdinfer.worker.input_builder import build_attention_metadata, build_sampling_tensors
 from pdinfer.worker.sampler import Sampler, SamplerOutput, score_prompt
@@ -72,6 +73,9 @@ class ModelRunner:
             def transform(model):
                 self.moe_layers = shard_experts(model, moe_config, expert_group, dtype, device)
 
+        self.batch_invariant = options.batch_invariant
+        if self.batch_invariant:
+            batch_invariant.check_device(device, dtype)
         self.model = build_model(spec, folder, load_format, dtype, device, seed, transform)
         self.dispatcher = self.moe_layers[0].dispatcher if self.moe_layers else None
         self.native_kernels = None
@@ -87,14 +91,17 @@ class ModelRunner:
                 and dtype == torch.float32
                 and options.cpu_quant_gemm
             )
+            if self.batch_invariant:
+                batch_invariant.check_model(self.model, self.native_kernels)
             pack_linears(
                 self.model,
                 self.native_kernels,
                 load_quantized_blocks(folder) if use_blocks else None,
                 amx=bool(use_blocks and options.cpu_amx),
+                batch_invariant=self.batch_invariant,
             )
             if options.cpu_decode_stack and isinstance(self.model, LlamaForCausalLM):
-                self.model.decode_stack = DecodeStack.build(self.model, self.native_kernels)
+                self.model.decode_stack = DecodeStack.build(self.model, self.native_kernels, self.batch_invariant)
         self.sampler = Sampler()
         self.cache: CacheEngine | None = None
         # Sampled tokens of the last few steps, on the device, by step id (zero-overhead
@@ -218,7 +225,10 @@ class ModelRunner:
         """Last-layer hidden states of the rows ``keep`` names, in its order."""
         kv = self.require_cache().kv
         model_meta = getattr(self.model, "build_attention_metadata", None)  # a model's own cache layout (MLA)
-        meta = model_meta(inp, kv) if model_meta is not None else build_attention_metadata(inp, kv, self.native_kernels)
+        if model_meta is not None:
+            meta = model_meta(inp, kv)
+        else:
+            meta = build_attention_metadata(inp, kv, self.native_kernels, self.batch_invariant)
         if keep == list(range(inp.num_tokens)):  # a decode step: every row is sampled
             return self.model(input_ids, positions, kv, meta)
         # only the kept rows leave the last layer

@@ -45,6 +45,9 @@ class NativeKernelInput:
     kv_strides: torch.Tensor  # see ``cpu_kernels.kv_strides``
     query_starts: torch.Tensor | None = None  # [B] int64, prefill only: first query row, ...
     query_lens: torch.Tensor | None = None  # ... and query rows of each sequence
+    # Decode: a lone long context may be cut into chunks across threads (merged after); False in
+    # the batch-invariant mode, where how it is cut would depend on the batch size.
+    split_context: bool = True
 
 
 @dataclass

@@ -61,7 +61,14 @@ class TorchPagedAttention:
                     self.scale,
                 )
             return cpu_kernels.paged_decode(
-                native.kernel, q, layer_cache, native.block_tables, native.context_lens, native.kv_strides, self.scale
+                native.kernel,
+                q,
+                layer_cache,
+                native.block_tables,
+                native.context_lens,
+                native.kv_strides,
+                self.scale,
+                native.split_context,
             )
         tokens = _row_view(layer_cache, self.num_kv_heads * self.head_dim)
         tokens.index_copy_(0, meta.slot_rows, k.reshape(k.shape[0], -1))

@@ -6,7 +6,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #include "kernel_common.h"
+#include "parallel.h"
+#include "tile.h"
 
 // The new tokens' K and V (rows of `row` elements of elem_bytes each: kv_heads * head_dim, at
 // strides k_stride and v_stride, in elements, of the cache's own dtype) into the cache: token t's
@@ -56,6 +59,35 @@ extern "C" void pd_small_gemm(const float* __restrict x, const float* __restrict
           }
         }
       }
+    }
+  });
+}
+
+// y [m][n] = x [m][k] w^T (+ bias) for float weights packed by panels of PANEL weight rows
+// (cpu_linear.PackedLinear's batch-invariant layout: wp [n / PANEL][k][PANEL], the last panel
+// padded with zero rows). The batch-invariant mode's float GEMM: every output element is one
+// chain of FMAs over k in order, whatever m, however the rows are grouped by the register tile
+// and however the panels are shared out among the threads, so a row's result does not depend on
+// the other rows of the call.
+constexpr int64_t PANEL = 32, PANEL_KC = 256;  // KC positions of a panel (32 KiB) stay in L1
+
+extern "C" void pd_gemm_panels(const float* x, const float* wp, const float* bias, float* y, int64_t m,
+                               int64_t n, int64_t k) {
+  const int64_t panels = (n + PANEL - 1) / PANEL;
+  parallel_items(panels, m * n * k < kSerialElems, [&](auto next) {
+    std::vector<float> out(m * PANEL);
+    for (int64_t p; next(p);) {
+      const int64_t r0 = p * PANEL, nr = std::min(PANEL, n - r0);
+      const float* w = wp + p * k * PANEL;
+      for (int64_t c0 = 0; c0 < k; c0 += PANEL_KC) {
+        const int64_t kc = std::min(PANEL_KC, k - c0);
+        for (int64_t i = 0; i < m; i += MR)
+          for (int64_t h = 0; h < PANEL; h += TILE)
+            tile_rows<MR>(std::min<int64_t>(MR, m - i), x + i * k + c0, k, kc, w + c0 * PANEL + h, PANEL,
+                          out.data() + i * PANEL + h, PANEL, c0 == 0);
+      }
+      for (int64_t i = 0; i < m; i++)
+        for (int64_t q = 0; q < nr; q++) y[i * n + r0 + q] = out[i * PANEL + q] + (bias ? bias[r0 + q] : 0.f);
     }
   });
 }

@@ -145,17 +145,20 @@ static void decode_item(const T* __restrict kv, const float* __restrict q, float
 template <typename T>
 static void paged_decode(const T* kv, const float* q, float* out, const int64_t* tables,
                          const int64_t* lens, int64_t batch, int64_t max_blocks, const int64_t* strides,
-                         int64_t kv_heads, int64_t group, int64_t dim, int64_t q_stride, float scale) {
+                         int64_t kv_heads, int64_t group, int64_t dim, int64_t q_stride, float scale,
+                         bool split_context) {
   // A sequence is one item with all its KV heads, unless there are too few sequences to keep
   // every thread busy; then each KV head is an item, and if that still leaves fewer than two
   // items a thread, each context is cut into chunks of whole blocks (at least kMinChunk tokens),
   // each chunk's softmax taken alone and the chunks merged by their maxima and sums after.
+  // Without split_context (the batch-invariant mode) a context is never cut: the chunks depend
+  // on the batch size, and merging them rounds differently from one pass.
   constexpr int64_t kMinChunk = 256;
   const int64_t threads = at::get_num_threads(), bs = strides[4];
   const int64_t split = batch >= 2 * threads ? 1 : kv_heads, nh = kv_heads / split;
   int64_t longest = 0;
   for (int64_t b = 0; b < batch; b++) longest = std::max(longest, lens[b]);
-  const int64_t chunks = split == 1 ? 1 : std::max<int64_t>(1, std::min((2 * threads + batch * split - 1) / (batch * split),
+  const int64_t chunks = split == 1 || !split_context ? 1 : std::max<int64_t>(1, std::min((2 * threads + batch * split - 1) / (batch * split),
                                                                            longest / kMinChunk));
   const int64_t items = batch * split * chunks;
   // Item i: sequence i / (split * chunks), KV heads ((i / chunks) % split) * nh.., chunk i % chunks.
@@ -218,12 +221,14 @@ static void paged_decode(const T* kv, const float* q, float* out, const int64_t*
 
 // q: [B, H, D] float32 (token stride q_stride, head stride D); out: [B, H, D] float32, contiguous;
 // kv: the layer's cache, float32 or (kv_bf16) bfloat16; tables: [B, max_blocks]; strides:
-// block, k->v, token-in-block, head (in cache elements), block_size.
+// block, k->v, token-in-block, head (in cache elements), block_size; split_context 0: never cut a
+// context into chunks (each output row then depends only on its own sequence).
 extern "C" void pd_paged_decode(const void* kv, const float* q, float* out, const int64_t* tables,
                                 const int64_t* lens, int64_t batch, int64_t max_blocks,
                                 const int64_t* strides, int64_t kv_heads, int64_t group, int64_t dim,
-                                int64_t q_stride, float scale, int64_t kv_bf16) {
+                                int64_t q_stride, float scale, int64_t kv_bf16, int64_t split_context) {
   with_kv_type(kv, kv_bf16, [&](auto typed) {
-    paged_decode(typed, q, out, tables, lens, batch, max_blocks, strides, kv_heads, group, dim, q_stride, scale);
+    paged_decode(typed, q, out, tables, lens, batch, max_blocks, strides, kv_heads, group, dim, q_stride, scale,
+                 split_context != 0);
   });
 }
