@@ -65,45 +65,36 @@ class KVTransferConfig:
     ) -> KVConnector:
         """``max_push_blocks`` x ``bytes_per_block``: the largest push a CE takes (it bounds
         what its KV port reads)."""
-        limits = {"max_push_blocks": max_push_blocks, "bytes_per_block": bytes_per_block}
         if self.connector == "local":
             from pdinfer.kv_transfer.local import LocalConnector
 
             return LocalConnector(self.name, secret=self.secret, listen=listen)
-        if self.connector == "mooncake":
-            from pdinfer.kv_transfer.mooncake import MooncakeConnector
-
-            return MooncakeConnector(
-                self.host if listen else None,
-                self.port,
-                secret=self.secret,
-                engine_type=engine_type,
-                host=self.host,
-                **limits,
-            )
-        if self.connector in ("cuda_ipc", "nccl"):  # device transports: they stage on ``device``
-            if self.connector == "cuda_ipc":
-                from pdinfer.kv_transfer.cuda_ipc import CudaIpcConnector as cls
-            else:  # a NCCL pair (gloo on a CPU KV cache)
-                from pdinfer.kv_transfer.nccl import NcclConnector as cls
-            return cls(
-                self.host if listen else None,
-                self.port,
-                secret=self.secret,
-                engine_type=engine_type,
-                device=device,
-                staging_bytes=self.staging_mib << 20,
-                **limits,
-            )
+        # Every networked transport: the ZeroMQ control plane with the transport's data plane.
+        from pdinfer.kv_transfer.data_plane import DataPlane
         from pdinfer.kv_transfer.tcp import TcpConnector
 
+        listen_host = self.host if listen else None
+        plane: DataPlane | None = None  # tcp: the bytes ride in the push (BytesPlane)
+        if self.connector == "mooncake":
+            from pdinfer.kv_transfer.mooncake import MooncakePlane
+
+            plane = MooncakePlane(self.host)
+        elif self.connector == "cuda_ipc":  # device transports stage on ``device``
+            from pdinfer.kv_transfer.cuda_ipc import CudaIpcPlane
+
+            plane = CudaIpcPlane(device, self.staging_mib << 20)
+        elif self.connector == "nccl":  # a NCCL pair (gloo on a CPU KV cache)
+            from pdinfer.kv_transfer.nccl import NcclPlane
+
+            plane = NcclPlane(device, self.staging_mib << 20, listen_host)
         return TcpConnector(
-            self.host if listen else None,
+            listen_host,
             self.port,
             secret=self.secret,
             engine_type=engine_type,
             max_push_blocks=max_push_blocks,
             bytes_per_block=bytes_per_block,
+            plane=plane,
         )
 
 

@@ -21,6 +21,7 @@ so the same code runs (and is tested) without a GPU.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import msgspec
 import torch
@@ -124,20 +125,10 @@ class CudaIpcPlane(DataPlane):
 def CudaIpcConnector(  # noqa: N802 - a transport's name, as the other connectors
     listen_host: str | None = None,
     listen_port: int = 0,
-    secret: str | None = None,
-    engine_type: int = 0,
+    *,
     device=None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
-    max_push_blocks: int = 0,
-    bytes_per_block: int = 0,
+    **control: Any,
 ) -> TcpConnector:
-    """The ZeroMQ control plane with the CUDA IPC data plane."""
-    return TcpConnector(
-        listen_host,
-        listen_port,
-        secret=secret,
-        engine_type=engine_type,
-        max_push_blocks=max_push_blocks,
-        bytes_per_block=bytes_per_block,
-        plane=CudaIpcPlane(device, staging_bytes),
-    )
+    """The ZeroMQ control plane (``control``: ``TcpConnector``'s settings) with the CUDA IPC data plane."""
+    return TcpConnector(listen_host, listen_port, plane=CudaIpcPlane(device, staging_bytes), **control)

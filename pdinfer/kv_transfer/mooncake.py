@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -196,21 +197,7 @@ def _check(rc: int, what: str) -> None:
 
 
 def MooncakeConnector(  # noqa: N802 - a transport's name, as the other connectors
-    listen_host: str | None = None,
-    listen_port: int = 0,
-    secret: str | None = None,
-    engine_type: int = 0,
-    host: str = "127.0.0.1",
-    max_push_blocks: int = 0,
-    bytes_per_block: int = 0,
+    listen_host: str | None = None, listen_port: int = 0, *, host: str = "127.0.0.1", **control: Any
 ) -> TcpConnector:
-    """The ZeroMQ control plane with Mooncake's data plane."""
-    return TcpConnector(
-        listen_host,
-        listen_port,
-        secret=secret,
-        engine_type=engine_type,
-        max_push_blocks=max_push_blocks,
-        bytes_per_block=bytes_per_block,
-        plane=MooncakePlane(host),
-    )
+    """The ZeroMQ control plane (``control``: ``TcpConnector``'s settings) with the Mooncake's data plane."""
+    return TcpConnector(listen_host, listen_port, plane=MooncakePlane(host), **control)

@@ -247,20 +247,10 @@ class NcclPlane(DataPlane):
 def NcclConnector(  # noqa: N802 - a transport's name, as the other connectors
     listen_host: str | None = None,
     listen_port: int = 0,
-    secret: str | None = None,
-    engine_type: int = 0,
+    *,
     device=None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
-    max_push_blocks: int = 0,
-    bytes_per_block: int = 0,
+    **control: Any,
 ) -> TcpConnector:
-    """The ZeroMQ control plane with the NCCL data plane."""
-    return TcpConnector(
-        listen_host,
-        listen_port,
-        secret=secret,
-        engine_type=engine_type,
-        max_push_blocks=max_push_blocks,
-        bytes_per_block=bytes_per_block,
-        plane=NcclPlane(device, staging_bytes, listen_host),
-    )
+    """The ZeroMQ control plane (``control``: ``TcpConnector``'s settings) with the NCCL data plane."""
+    return TcpConnector(listen_host, listen_port, plane=NcclPlane(device, staging_bytes, listen_host), **control)
