@@ -14,6 +14,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 NETNS_DIR = "/var/run/netns"
 _CLONE_NEWNET = 0x40000000
@@ -162,7 +163,10 @@ class DelayRelay:
     ``target``, every chunk ``delay_s`` late in each direction. Latency, as netem's delay, not a
     throughput cap: chunks keep flowing while earlier ones wait out their delay. ``delay_s`` may
     change at any time (it applies to chunks read from then on). ``min_hold_s``: the least time
-    a forwarded chunk spent in the relay (set it to ``math.inf`` to measure a stretch)."""
+    a forwarded chunk spent in the relay (set it to ``math.inf`` to measure a stretch).
+    ``trip``: ``(bytes, action)``; the relay runs ``action`` once, in its writer thread, as soon as
+    ``bytes_to_target`` reaches ``bytes``, and forwards nothing toward the target until it returns
+    (a test's link cut lands at that point however loaded the machine is)."""
 
     CHUNK_BYTES = 1 << 16
 
@@ -170,6 +174,7 @@ class DelayRelay:
         self.netns, self.target, self.delay_s = netns, target, delay_s
         self.bytes_to_target = 0  # what went from clients to the target
         self.bytes_from_target = 0
+        self.trip: tuple[int, Callable[[], None]] | None = None
         self.min_hold_s = math.inf
         self.connections = 0
         self._sockets: list[socket.socket] = []
@@ -241,6 +246,14 @@ class DelayRelay:
                         self.bytes_to_target += len(data)
                     else:
                         self.bytes_from_target += len(data)
+                    trip = self.trip if to_target else None
+                    if trip is not None and self.bytes_to_target >= trip[0]:
+                        self.trip = None
+                    else:
+                        trip = None
+                if trip is not None:
+                    with self._lock:  # every writer toward the target waits for the action
+                        trip[1]()
 
         threading.Thread(target=read, name="relay-read", daemon=True).start()
         threading.Thread(target=write, name="relay-write", daemon=True).start()

@@ -204,17 +204,16 @@ def test_kv_link_cut_during_transfers_every_request_ends_and_every_block_is_free
     lease runs out (the router makes one attempt: with more, each would wait a lease)."""
     relay, cut = cluster.relay, {}
     relay.delay_s = DELAY_S
-    cut_after = relay.bytes_to_target + cluster.burst_kv_bytes / 3
 
-    async def cut_a_third_of_the_way() -> None:
-        while relay.bytes_to_target < cut_after:
-            await asyncio.sleep(0.005)
+    def cut_the_link() -> None:  # in the relay's writer, before it forwards another byte
         cluster.hosts.set_link(cluster.ce_ns, "wan", up=False)
         cut["at"] = time.monotonic()
 
+    relay.trip = (int(relay.bytes_to_target + cluster.burst_kv_bytes / 3), cut_the_link)
     try:
-        outcomes = asyncio.run(_burst(cluster.router.url, prompts, during=cut_a_third_of_the_way))
+        outcomes = asyncio.run(_burst(cluster.router.url, prompts))
     finally:
+        relay.trip = None
         cluster.hosts.set_link(cluster.ce_ns, "wan", up=True)
     completed = [o for o in outcomes if o.status == 200]
     failed_s = [o.ended_s - cut["at"] for o in outcomes if o.status != 200]
