@@ -60,9 +60,12 @@ class KVConnector(ABC):
     instance_id: str = ""
     gate: TransferGate
     plane: DataPlane
-    # True: the K/V of an arrival is already in the CE's blocks (the payload is empty), and a
-    # reserved block may be written by the PE at any time until its push or abort arrives.
-    writes_in_place: bool = False
+
+    @property
+    def writes_in_place(self) -> bool:
+        """The K/V of an arrival is already in the CE's blocks (the payload is empty), and a
+        reserved block may be written by the PE at any time until its push or abort arrives."""
+        return self.plane.writes_in_place
 
     def register(self, layout: KVLayout) -> None:
         self.layout = layout

@@ -26,12 +26,11 @@ from typing import Any
 import msgspec
 import torch
 
-from pdinfer.kv_transfer.data_plane import DataPlane
-from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVAbort, KVPush
+from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVPush
 from pdinfer.kv_transfer.staging import (
     DEFAULT_STAGING_BYTES,
     StagedKV,
-    StagingPool,
+    StagingPlane,
     close_shm,
     land_blocks,
     open_segment,
@@ -42,19 +41,14 @@ from pdinfer.kv_transfer.tcp import TcpConnector
 logger = logging.getLogger("pdinfer")
 
 
-class CudaIpcPlane(DataPlane):
+class CudaIpcPlane(StagingPlane):
     name = "cuda_ipc"
-    carries_payload = False
 
     def __init__(self, device=None, staging_bytes: int = DEFAULT_STAGING_BYTES):
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.pool = StagingPool(self.device, staging_bytes)
+        super().__init__(device, staging_bytes)
         self._opened: dict[str, tuple[torch.Tensor, object]] = {}  # CE: segment key -> mapping
 
     # --- PE ------------------------------------------------------------------------------------------
-    def stage(self, cache, block_ids: list[int]) -> StagedKV:
-        return self.pool.stage(cache, block_ids)
-
     def prepare_connect(self) -> None:
         self.pool.first_segment()  # allocated here, not on the socket thread
 
@@ -65,17 +59,6 @@ class CudaIpcPlane(DataPlane):
         push.staging_offset, push.staging_info = payload.offset, payload.segment.info
         self.pool.hold(push.transfer_id, payload)
         self.link.send_control(address, push)
-
-    def abort(self, address: str, message: KVAbort) -> None:
-        self.link.send_control(address, message)
-        self.pool.release(message.transfer_id)
-
-    def on_ack(self, transfer_id: str) -> None:
-        self.pool.release(transfer_id)
-
-    @property
-    def staged_bytes(self) -> int:
-        return self.pool.staged_bytes
 
     # --- CE ------------------------------------------------------------------------------------------
     def answer_hello(self, identity: bytes, hello: Hello, ack: HelloAck) -> str | None:
@@ -119,7 +102,7 @@ class CudaIpcPlane(DataPlane):
             if shm is not None:
                 close_shm(shm)
         self._opened.clear()
-        self.pool.close()
+        super().close()
 
 
 def CudaIpcConnector(  # noqa: N802 - a transport's name, as the other connectors

@@ -30,9 +30,8 @@ import torch
 import torch.distributed as dist
 
 from pdinfer.kv_transfer.connector import Arrival, HandshakeError
-from pdinfer.kv_transfer.data_plane import DataPlane
-from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVAbort, KVPush
-from pdinfer.kv_transfer.staging import DEFAULT_STAGING_BYTES, StagedKV, StagingPool, land_blocks
+from pdinfer.kv_transfer.protocol import Hello, HelloAck, KVPush
+from pdinfer.kv_transfer.staging import DEFAULT_STAGING_BYTES, StagedKV, StagingPlane, land_blocks
 from pdinfer.kv_transfer.tcp import TcpConnector
 
 logger = logging.getLogger("pdinfer")
@@ -68,13 +67,11 @@ def make_pair_group(store, rank: int, device: torch.device, timeout_s: float = G
     return group
 
 
-class NcclPlane(DataPlane):
+class NcclPlane(StagingPlane):
     name = "nccl"
-    carries_payload = False
 
     def __init__(self, device=None, staging_bytes: int = DEFAULT_STAGING_BYTES, listen_host: str | None = None):
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.pool = StagingPool(self.device, staging_bytes)
+        super().__init__(device, staging_bytes)
         self._store = None
         self._store_address = ""
         if listen_host is not None:  # CE: the rendezvous of every pair it forms
@@ -121,9 +118,6 @@ class NcclPlane(DataPlane):
             raise HandshakeError(f"cannot form the NCCL pair with {address}: {exc}") from exc
 
     # --- PE: control message, then the bytes --------------------------------------------------------
-    def stage(self, cache, block_ids: list[int]) -> StagedKV:
-        return self.pool.stage(cache, block_ids)
-
     def send(self, address: str, push: KVPush, payload: StagedKV) -> None:
         self.pool.hold(push.transfer_id, payload)
         self.link.send_control(address, push)
@@ -134,10 +128,6 @@ class NcclPlane(DataPlane):
         with self._sends_lock:
             self._sending.add(push.transfer_id)
         self._waiter(group).put((push.transfer_id, group.send([data], CE_RANK, 0)))
-
-    def abort(self, address: str, message: KVAbort) -> None:
-        self.link.send_control(address, message)
-        self.on_ack(message.transfer_id)
 
     def _waiter(self, group) -> queue.Queue:
         """The queue of the thread that waits for ``group``'s sends, in the order they were posted
@@ -188,10 +178,6 @@ class NcclPlane(DataPlane):
                 return
         self.pool.release(transfer_id)
 
-    @property
-    def staged_bytes(self) -> int:
-        return self.pool.staged_bytes
-
     # --- CE: post every recv in order, land in step order --------------------------------------------
     def refused_push(self, identity: bytes, push: KVPush) -> Arrival | None:
         # The PE sends the bytes of every push it made: the pair's receives must stay matched to
@@ -241,7 +227,7 @@ class NcclPlane(DataPlane):
     def close(self) -> None:
         for sends in self._send_queues.values():
             sends.put(None)
-        self.pool.close()
+        super().close()
 
 
 def NcclConnector(  # noqa: N802 - a transport's name, as the other connectors

@@ -19,7 +19,8 @@ from multiprocessing import resource_tracker, shared_memory
 import msgspec
 import torch
 
-from pdinfer.kv_transfer.protocol import block_runs
+from pdinfer.kv_transfer.data_plane import DataPlane
+from pdinfer.kv_transfer.protocol import KVAbort, block_runs
 
 logger = logging.getLogger("pdinfer")
 
@@ -346,3 +347,31 @@ class StagingPool:
         for segment in self.segments:
             segment.close()
         self.segments = []
+
+
+class StagingPlane(DataPlane):
+    """What the device data planes (cuda_ipc, nccl) share: the PE stages a push's blocks in a
+    ``StagingPool`` on its device and frees the region on the transfer's ack or abort."""
+
+    carries_payload = False
+
+    def __init__(self, device=None, staging_bytes: int = DEFAULT_STAGING_BYTES):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.pool = StagingPool(self.device, staging_bytes)
+
+    def stage(self, cache, block_ids: list[int]) -> StagedKV:
+        return self.pool.stage(cache, block_ids)
+
+    def abort(self, address: str, message: KVAbort) -> None:
+        self.link.send_control(address, message)
+        self.on_ack(message.transfer_id)
+
+    def on_ack(self, transfer_id: str) -> None:
+        self.pool.release(transfer_id)
+
+    @property
+    def staged_bytes(self) -> int:
+        return self.pool.staged_bytes
+
+    def close(self) -> None:
+        self.pool.close()

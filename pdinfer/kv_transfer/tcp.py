@@ -77,8 +77,6 @@ class TcpConnector(KVConnector):
         plane: DataPlane | None = None,
     ):
         self.plane = plane if plane is not None else BytesPlane()
-        self.data_plane = self.plane.name
-        self.writes_in_place = self.plane.writes_in_place
         self.secret = secret.encode() if secret else None
         self.engine_type = engine_type
         self.instance_id = uuid.uuid4().hex
@@ -337,7 +335,7 @@ class TcpConnector(KVConnector):
         return Hello(
             layout=self.layout,
             engine_type=self.engine_type,
-            data_plane=self.data_plane,
+            data_plane=self.plane.name,
             nonce=uuid.uuid4().hex,
             data_info=self.plane.hello_info(),
         )

@@ -123,10 +123,10 @@ class KVPort:
                 self._nonces.popitem(last=False)
             if connector.layout is None:
                 error = "KV cache not ready"
-            elif hello.data_plane != connector.data_plane:
+            elif hello.data_plane != connector.plane.name:
                 error = (
                     f"the PE sends K/V over {hello.data_plane}, this CE takes it over "
-                    f"{connector.data_plane}: give both the same kv connector"
+                    f"{connector.plane.name}: give both the same kv connector"
                 )
             elif mismatch := connector.layout.mismatch(hello.layout):
                 error = f"KV layout mismatch ({mismatch})"
