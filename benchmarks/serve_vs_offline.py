@@ -391,6 +391,8 @@ def main() -> None:
             else:
                 row[mode] = served(mode, args, concurrency, prompts, log_dir / f"{mode}-{concurrency}")
             print(f"  {row[mode]}", file=sys.stderr, flush=True)
+            if args.json:  # after every mode, so a run cut short keeps what it measured
+                Path(args.json).write_text(json.dumps({"args": vars(args), "rows": [*rows, row]}, indent=1))
         rows.append(row)
     print(format_table(rows, modes))
     print(f"(server logs: {log_dir})")
