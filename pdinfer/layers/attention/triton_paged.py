@@ -46,6 +46,10 @@ class GpuAttentionMetadata:
     work_tile: torch.Tensor | None = None  # prefill: [W] tile index inside its sequence
     num_work: int = 0
     num_tokens: int = 0
+    # MLA prefill (``triton_mla``): the cache blocks of each sequence's context, sequence after
+    # sequence ([NB]), and each sequence's blocks within that gathered context ([S, max_blocks])
+    context_blocks: torch.Tensor | None = None
+    context_tables: torch.Tensor | None = None
 
 
 PREFILL_BLOCK_M = 128  # query rows per prefill program; the metadata builder tiles with it
