@@ -195,8 +195,9 @@ def prefill_attention(
     cfg = PREFILL_CONFIG
     warps = cfg["num_warps"] if d_pad >= 128 else 4
     # fp32 tiles are twice the bytes: 128 x 128 K/V tiles in two stages need 256 KiB of shared
-    # memory at head_dim 128, above the H200's 227 KiB; half-width key tiles fit.
-    block_n = cfg["block_n"] if q.element_size() <= 2 else 64
+    # memory at head_dim 128, above the H200's 227 KiB; half-width key tiles fit. The same for
+    # bf16 at a padded head_dim of 256 (MLA's decompressed 192, ``triton_mla``).
+    block_n = cfg["block_n"] if q.element_size() <= 2 and d_pad <= 128 else 64
     bt = meta.block_tables
     kernels.prefill_kernel[(meta.num_work, h)](
         q,
