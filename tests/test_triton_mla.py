@@ -133,8 +133,10 @@ def test_backend_decode_matches_cpu_backend():
 
 def test_backend_prefill_with_cached_prefix_matches_cpu_backend():
     kv, _ = make_cache()
-    query_lens = [7, 20, 1, 33]
-    context_lens = [7, 50, 18, 33]  # sequences 1 and 2 continue a cached prefix (chunked prefill)
+    # sequences 1, 2 and 4 continue a cached prefix (chunked prefill); 3 spans two query tiles;
+    # 4's prefix is longer than a key tile (keys its queries all see, without the causal mask)
+    query_lens = [7, 20, 1, 150, 5]
+    context_lens = [7, 50, 18, 160, 90]
     tables = scrambled_tables(context_lens, seed=2)
     (out, ref), (kv_gpu, kv_cpu) = _run_both(_step(query_lens, context_lens, tables, True), kv)
     assert rel_err(out, ref) < 1e-5

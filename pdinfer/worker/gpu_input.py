@@ -159,7 +159,7 @@ class GpuInputBuilder:
                 num_tokens=t,
             )
             if context is not None:
-                meta.context_blocks, meta.context_tables = dev[context[0]], dev[context[1]]
+                meta.context_blocks, meta.context_starts = dev[context[0]], dev[context[1]]
         step = GpuStep(
             batch=t,
             padded=padded,
@@ -281,13 +281,12 @@ def _pack_prefill_tiles(p: _Packer, qlens: np.ndarray) -> tuple[int, int, int, i
 
 
 def _pack_context_blocks(p: _Packer, tables: list[list[int]], ctx: np.ndarray, bs: int) -> tuple[int, int]:
-    """MLA prefill: the blocks covering each sequence's context, concatenated, and per sequence
-    the indices of its blocks in that list (the block tables of the decompressed context)."""
+    """MLA prefill: the blocks covering each sequence's context, concatenated, and the first
+    token row of each sequence's context in that list of blocks."""
     counts = -(-ctx // bs)
     blocks = [b for table, n in zip(tables, counts.tolist()) for b in table[:n]]
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    local = [list(range(s, s + n)) for s, n in zip(starts.tolist(), counts.tolist())]
-    return p.add(np.asarray(blocks, dtype=np.int64)), p.add(_block_table_array(local, len(local)))
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])) * bs if counts.size else counts
+    return p.add(np.asarray(blocks, dtype=np.int64)), p.add(starts)
 
 
 def _block_table_array(tables: list[list[int]], rows: int) -> np.ndarray:

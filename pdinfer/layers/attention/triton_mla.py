@@ -7,18 +7,15 @@ and layer: the normalized latent, then the rotated shared key):
   (flash-decoding splits, merged by the dense backend's merge kernel), and W_UV takes the
   weighted latent sum out. The grid depends on the batch only, so the step is CUDA-graph safe.
 - **Prefill decompresses.** The blocks holding each sequence's context (cached prefix and this
-  chunk, written first) are gathered in one ``index_select``, ``kv_b_proj`` turns them into
-  per-head K (with the shared rope key) and V, laid out as a temporary paged cache whose block
-  tables the input builder made (``GpuAttentionMetadata.context_tables``), and the dense
-  Triton prefill kernel attends over it: variable lengths, chunks and prefix hits as there.
-  V is zero-padded to the K head size there (the kernel takes one head size).
+  chunk, written first) are gathered in one ``index_select``, ``kv_b_proj`` turns their latents
+  into per-head K_nope and V, and ``mla_prefill_kernel`` attends over those and the shared rope
+  key (read where it was gathered, never copied per head), bottom-right causal, all sequences
+  in one launch: variable lengths, chunks and prefix hits are the same case.
 
 The kernels live in ``triton_mla_kernels``.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +23,16 @@ import torch.nn.functional as F
 from pdinfer.layers.attention import triton_kernels
 from pdinfer.layers.attention import triton_mla_kernels as kernels
 from pdinfer.layers.attention.mla import MLAPagedAttention
-from pdinfer.layers.attention.triton_paged import LOG2E, GpuAttentionMetadata, prefill_attention
+from pdinfer.layers.attention.triton_paged import LOG2E, PREFILL_BLOCK_M, GpuAttentionMetadata
 from pdinfer.layers.triton_ops import next_pow2
 
 # Heads per decode program: they share each latent tile (tl.dot needs at least 16 rows).
 MLA_BLOCK_H = 16
 # Launch settings; benchmarks/gpu_mla.py times the kernel against its memory floor.
 MLA_DECODE_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2}
+# Prefill: query tiles of PREFILL_BLOCK_M rows (the input builder's tiling); key tiles of
+# nope + rope + v (320 for DeepSeek-V2/V3) bf16 values per row; half as many rows for fp32.
+MLA_PREFILL_CONFIG = {"block_n": 64, "num_warps": 8, "num_stages": 2}
 
 
 def mla_decode_programs(num_heads: int) -> int:
@@ -138,6 +138,61 @@ def mla_decode_attention(
     return out
 
 
+def mla_prefill_attention(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv: torch.Tensor,
+    k_rope: torch.Tensor,
+    meta: GpuAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q_nope [T, H, nope] and q_rope [T, H, rope] of variable-length sequences attend causally
+    (bottom-right) over their decompressed contexts: ``kv`` [N, H, nope + v] (per-head K_nope,
+    then V) and the shared rope key ``k_rope`` [N, rope], each sequence's rows from
+    ``meta.context_starts``. Returns [T, H, v]."""
+    t, h, nope = q_nope.shape
+    rope, v_dim = q_rope.shape[-1], kv.shape[-1] - nope
+    out = torch.empty((t, h, v_dim), dtype=q_nope.dtype, device=q_nope.device)
+    if meta.num_work == 0:
+        return out
+    cfg = MLA_PREFILL_CONFIG
+    block_n = cfg["block_n"] if q_nope.element_size() <= 2 else cfg["block_n"] // 2
+    kernels.mla_prefill_kernel[(meta.num_work, h)](
+        q_nope,
+        q_rope,
+        kv,
+        k_rope,
+        meta.context_lens,
+        meta.query_start,
+        meta.context_starts,
+        meta.work_seq,
+        meta.work_tile,
+        out,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        kv.stride(0),
+        kv.stride(1),
+        k_rope.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale * LOG2E,
+        NOPE=nope,
+        NOPE_PAD=max(16, next_pow2(nope)),
+        ROPE=rope,
+        ROPE_PAD=max(16, next_pow2(rope)),
+        V_DIM=v_dim,
+        V_PAD=max(16, next_pow2(v_dim)),
+        BLOCK_M=PREFILL_BLOCK_M,
+        BLOCK_N=block_n,
+        PRECISION=_precision(q_nope),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return out
+
+
 class TritonMLAttention:
     """The CUDA backend behind ``MLAPagedAttention.forward``'s signature (see the module docstring)."""
 
@@ -182,24 +237,13 @@ class TritonMLAttention:
         return torch.bmm(weighted, w_kv[:, nope:].transpose(1, 2)).transpose(0, 1)  # [B, H, v]
 
     def _prefill(self, q_nope, q_rope, kv_b_weight, layer_cache, meta: GpuAttentionMetadata) -> torch.Tensor:
-        if meta.context_blocks is None or meta.context_tables is None:
+        if meta.context_blocks is None or meta.context_starts is None:
             raise RuntimeError("MLA prefill metadata without context blocks (GpuInputBuilder(latent_cache=True))")
-        h, nope, v_dim, r = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
-        blocks = layer_cache[:, 0, :, 0].index_select(0, meta.context_blocks)  # [NB, block_size, latent + rope]
-        nb, block_size, rope = blocks.shape[0], blocks.shape[1], blocks.shape[2] - r
-        latent, k_rope = blocks.view(nb * block_size, -1).to(q_nope.dtype).split([r, rope], dim=-1)
-        k_nope, v = F.linear(latent, kv_b_weight).view(-1, h, nope + v_dim).split([nope, v_dim], dim=-1)
-        head_dim = max(nope + rope, v_dim)
-        # K and V of the context as a paged cache [NB, 2, block_size, H, head_dim] of its own
-        kv = q_nope.new_zeros(nb, 2, block_size, h, head_dim)
-        kv[:, 0, ..., :nope] = k_nope.view(nb, block_size, h, nope)
-        kv[:, 0, ..., nope : nope + rope] = k_rope.view(nb, block_size, 1, rope)
-        kv[:, 1, ..., :v_dim] = v.view(nb, block_size, h, v_dim)
-        q = q_nope.new_zeros(q_nope.shape[0], h, head_dim)
-        q[..., :nope] = q_nope
-        q[..., nope : nope + rope] = q_rope
-        out = prefill_attention(q, kv, replace(meta, block_tables=meta.context_tables), self.scale)
-        return out[..., :v_dim]
+        # every sequence's context, sequence after sequence: [N, latent + rope]
+        context = layer_cache[:, 0, :, 0].index_select(0, meta.context_blocks).flatten(0, 1)
+        latent = context[:, : self.kv_lora_rank].to(q_nope.dtype)
+        kv = F.linear(latent, kv_b_weight).view(context.shape[0], self.num_heads, -1)  # [N, H, nope + v]
+        return mla_prefill_attention(q_nope, q_rope, kv, context[:, self.kv_lora_rank :], meta, self.scale)
 
 
 def use_triton_mla(model: torch.nn.Module) -> None:

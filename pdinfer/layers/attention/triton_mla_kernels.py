@@ -1,4 +1,4 @@
-"""The Triton kernels of multi-head latent attention (MLA) on CUDA: latent write and absorbed decode.
+"""The Triton kernels of multi-head latent attention (MLA) on CUDA: latent write, prefill, decode.
 
 Launched by the wrappers in ``triton_mla``. One layer's view of the latent cache is
 ``[num_blocks, 1, block_size, 1, latent + rope]``: one vector per token, the kernels take its
@@ -6,6 +6,10 @@ block and token strides.
 
 - ``write_latent_kernel``: one program per new token stores its vector into its slot (slot -1:
   skip, the padding rows of a CUDA-graph batch).
+- ``mla_prefill_kernel``: one program per (query tile of a sequence, head) over the context
+  the wrapper decompressed: per-head K_nope and V side by side in ``kv`` [N, H, nope + v], the
+  shared rope key [N, rope] beside them (no copy per head); a sequence's context is the rows
+  ``cstart[seq]`` onwards. A query at position p attends to keys 0..p (bottom-right causal).
 - ``mla_decode_kernel``: one program per (sequence, group of ``BLOCK_H`` heads, split). All heads
   share the one cached vector per token, so each latent tile is loaded once for the whole group
   and serves both products: scores = q_latent . latent + q_rope . rope, then the weighted sum
@@ -135,3 +139,188 @@ if HAS_TRITON:
             tl.store(part_acc_ptr + row[:, None] * LATENT_PAD + r[None, :], acc, mask=omask)
             tl.store(part_ml_ptr + row * 2, m_i, mask=hmask)
             tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=hmask)
+
+    @triton.jit
+    def _mla_prefill_tile(
+        q_nope,
+        q_rope,
+        acc,
+        m_i,
+        l_i,
+        kv_head,
+        k_rope_ptr,
+        c0,
+        lo,
+        hi,
+        q_pos,
+        ctx,
+        dn,
+        de,
+        dv,
+        stride_kv_t,
+        stride_kr_t,
+        qk_scale,
+        NOPE: tl.constexpr,
+        ROPE: tl.constexpr,
+        V_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        MASKED: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        n = tl.arange(0, BLOCK_N)
+        for n0 in range(lo, hi, BLOCK_N):
+            pos = n0 + n
+            pmask = pos < ctx
+            rows = (c0 + pos).to(tl.int64)
+            k_nope = tl.load(
+                kv_head + rows[:, None] * stride_kv_t + dn[None, :],
+                mask=pmask[:, None] & (dn < NOPE)[None, :],
+                other=0.0,
+            )
+            k_rope = tl.load(
+                k_rope_ptr + rows[:, None] * stride_kr_t + de[None, :],
+                mask=pmask[:, None] & (de < ROPE)[None, :],
+                other=0.0,
+            )
+            s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PRECISION)
+            s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=PRECISION) * qk_scale
+            if MASKED:
+                s = tl.where((pos[None, :] <= q_pos[:, None]) & pmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                kv_head + NOPE + rows[:, None] * stride_kv_t + dv[None, :],
+                mask=pmask[:, None] & (dv < V_DIM)[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def mla_prefill_kernel(
+        q_nope_ptr,
+        q_rope_ptr,
+        kv_ptr,
+        k_rope_ptr,
+        ctx_ptr,
+        qstart_ptr,
+        cstart_ptr,
+        work_seq_ptr,
+        work_tile_ptr,
+        out_ptr,
+        stride_qn_t,
+        stride_qn_h,
+        stride_qr_t,
+        stride_qr_h,
+        stride_kv_t,
+        stride_kv_h,
+        stride_kr_t,
+        stride_ot,
+        stride_oh,
+        qk_scale,
+        NOPE: tl.constexpr,
+        NOPE_PAD: tl.constexpr,
+        ROPE: tl.constexpr,
+        ROPE_PAD: tl.constexpr,
+        V_DIM: tl.constexpr,
+        V_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        w = tl.program_id(0)
+        h = tl.program_id(1)
+        seq = tl.load(work_seq_ptr + w)
+        tile = tl.load(work_tile_ptr + w)
+        q0 = tl.load(qstart_ptr + seq)
+        qlen = tl.load(qstart_ptr + seq + 1) - q0
+        ctx = tl.load(ctx_ptr + seq)
+        c0 = tl.load(cstart_ptr + seq)
+        prefix = ctx - qlen
+
+        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        dn = tl.arange(0, NOPE_PAD)
+        de = tl.arange(0, ROPE_PAD)
+        dv = tl.arange(0, V_PAD)
+        mmask = m < qlen
+        rows = (q0 + m).to(tl.int64)
+        q_nope = tl.load(
+            q_nope_ptr + rows[:, None] * stride_qn_t + h * stride_qn_h + dn[None, :],
+            mask=mmask[:, None] & (dn < NOPE)[None, :],
+            other=0.0,
+        )
+        q_rope = tl.load(
+            q_rope_ptr + rows[:, None] * stride_qr_t + h * stride_qr_h + de[None, :],
+            mask=mmask[:, None] & (de < ROPE)[None, :],
+            other=0.0,
+        )
+        q_pos = prefix + m
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, V_PAD], tl.float32)
+        kv_head = kv_ptr + h * stride_kv_h
+        # keys before the tile's first query position are visible to every row: no causal mask
+        first_q = prefix + tile * BLOCK_M
+        unmasked_end = (first_q // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(ctx, first_q + BLOCK_M)
+        acc, m_i, l_i = _mla_prefill_tile(
+            q_nope,
+            q_rope,
+            acc,
+            m_i,
+            l_i,
+            kv_head,
+            k_rope_ptr,
+            c0,
+            0,
+            unmasked_end,
+            q_pos,
+            ctx,
+            dn,
+            de,
+            dv,
+            stride_kv_t,
+            stride_kr_t,
+            qk_scale,
+            NOPE,
+            ROPE,
+            V_DIM,
+            BLOCK_N,
+            False,
+            PRECISION,
+        )
+        acc, m_i, l_i = _mla_prefill_tile(
+            q_nope,
+            q_rope,
+            acc,
+            m_i,
+            l_i,
+            kv_head,
+            k_rope_ptr,
+            c0,
+            unmasked_end,
+            hi,
+            q_pos,
+            ctx,
+            dn,
+            de,
+            dv,
+            stride_kv_t,
+            stride_kr_t,
+            qk_scale,
+            NOPE,
+            ROPE,
+            V_DIM,
+            BLOCK_N,
+            True,
+            PRECISION,
+        )
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(
+            out_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mmask[:, None] & (dv < V_DIM)[None, :],
+        )

@@ -47,9 +47,9 @@ class GpuAttentionMetadata:
     num_work: int = 0
     num_tokens: int = 0
     # MLA prefill (``triton_mla``): the cache blocks of each sequence's context, sequence after
-    # sequence ([NB]), and each sequence's blocks within that gathered context ([S, max_blocks])
+    # sequence ([NB]), and the first token row of each sequence's context among them ([S])
     context_blocks: torch.Tensor | None = None
-    context_tables: torch.Tensor | None = None
+    context_starts: torch.Tensor | None = None
 
 
 PREFILL_BLOCK_M = 128  # query rows per prefill program; the metadata builder tiles with it
@@ -195,9 +195,8 @@ def prefill_attention(
     cfg = PREFILL_CONFIG
     warps = cfg["num_warps"] if d_pad >= 128 else 4
     # fp32 tiles are twice the bytes: 128 x 128 K/V tiles in two stages need 256 KiB of shared
-    # memory at head_dim 128, above the H200's 227 KiB; half-width key tiles fit. The same for
-    # bf16 at a padded head_dim of 256 (MLA's decompressed 192, ``triton_mla``).
-    block_n = cfg["block_n"] if q.element_size() <= 2 and d_pad <= 128 else 64
+    # memory at head_dim 128, above the H200's 227 KiB; half-width key tiles fit.
+    block_n = cfg["block_n"] if q.element_size() <= 2 else 64
     bt = meta.block_tables
     kernels.prefill_kernel[(meta.num_work, h)](
         q,
