@@ -10,8 +10,8 @@
    counts; the whole Triton backend (W_UK, kernel, W_UV; the decompressing prefill over a cached
    prefix) against the torch backend in float32. Max relative error per sequence, PASS/FAIL.
 2. kernel speed: the decode kernel's time (CUDA-graph replay) against its floor, the latent
-   bytes it must read (batch x context x 576 x 2 per layer) at 4.3 TB/s; a few launch configs;
-   one layer's prefill attention (4k tokens) against its FLOPs at 790 TFLOP/s.
+   bytes it must read (batch x context x 576 x 2 per layer) at 4.3 TB/s; one layer's prefill
+   attention (4k tokens) against its FLOPs at 790 TFLOP/s; a few launch configs of both.
 3. model: ``LLM(model="preset:deepseek-v2-lite", load_format="dummy")``: decode tok/s at batch
    1 and 64 (576-token prompts), prefill tok/s of one 4k-token prompt. The MoE layers' torch
    path syncs on the host, so the engine runs without CUDA graphs (the row says which).
@@ -163,28 +163,50 @@ def _decode_case(s: Shape, dev: torch.device, batch: int, ctx: int) -> None:
     )
 
 
-def decode_configs(s: Shape, dev: torch.device) -> None:
-    """A few launch configs of the decode kernel at one shape (``MLA_DECODE_CONFIG`` is the default)."""
+def sweep(name: str, config: dict, variants: list[tuple[int, int, int]], fn, floor_s: float) -> None:
+    """Time ``fn`` under each (block_n, num_warps, num_stages) of ``config``; the default comes back after."""
+    default = dict(config)
+    try:
+        for block_n, warps, stages in variants[: 2 if not torch.cuda.is_available() else None]:
+            config.update(block_n=block_n, num_warps=warps, num_stages=stages)
+            tag = f"{name} n={block_n} w={warps} st={stages}"
+            try:
+                t = device_time(fn)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: the other variants still count
+                log(f"  {tag}: {type(exc).__name__}: {exc}"[:300])
+                continue
+            FIG[f"cfg_{name}_{block_n}_{warps}_{stages}"] = t * 1e6
+            log(f"  {tag}: {t * 1e6:.1f} us, {floor_s / t:.0%} of floor")
+    finally:
+        config.update(default)
+
+
+def launch_configs(s: Shape, dev: torch.device) -> None:
+    """A few launch configs of both kernels (``MLA_DECODE_CONFIG``, ``MLA_PREFILL_CONFIG``: the defaults)."""
+    _decode_configs(s, dev)
+    n = s.prefill_len
+    _, _, run_prefill = backend_case(s, _step([n], [n], s.block_size, True), dev)
+    log(f"  prefill, one layer, {n} tokens:")
+    variants = [(64, 8, 2), (32, 4, 2), (32, 8, 2), (64, 4, 2), (128, 8, 2), (64, 8, 3)]
+    sweep("prefill", tm.MLA_PREFILL_CONFIG, variants, run_prefill, _prefill_flops(s, n) / MATMUL_FLOP_S)
+
+
+def _decode_configs(s: Shape, dev: torch.device) -> None:
     batch, ctx = s.batches[len(s.batches) // 2], s.contexts[-1]
     layer, tables, lens, q_lat, q_rope = latent_case(s, batch, ctx, dev)
     splits = tp.decode_num_splits(batch, tm.mla_decode_programs(s.heads), ctx, num_sms())
-    floor = batch * ctx * (s.latent + s.rope) * 2 / HBM_BYTES_S
-    default = dict(tm.MLA_DECODE_CONFIG)
+    log(f"  decode B={batch} ctx={ctx}, {splits} splits:")
     variants = [(32, 4, 2), (16, 4, 2), (64, 4, 2), (32, 8, 2), (64, 8, 2), (32, 4, 3)]
-    try:
-        for block_n, warps, stages in variants[: 2 if not torch.cuda.is_available() else None]:
-            tm.MLA_DECODE_CONFIG.update(block_n=block_n, num_warps=warps, num_stages=stages)
-            try:
-                t = device_time(lambda: tm.mla_decode_attention(q_lat, q_rope, layer, tables, lens, s.scale, splits))
-            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: the other variants still count
-                log(f"  config n={block_n} w={warps} st={stages}: {type(exc).__name__}: {exc}"[:300])
-                continue
-            FIG[f"decode_cfg_{block_n}_{warps}_{stages}"] = t * 1e6
-            log(
-                f"  config n={block_n} w={warps} st={stages} (B={batch} ctx={ctx}): {t * 1e6:.1f} us, {floor / t:.0%} of floor"
-            )
-    finally:
-        tm.MLA_DECODE_CONFIG.update(default)
+
+    def run() -> torch.Tensor:
+        return tm.mla_decode_attention(q_lat, q_rope, layer, tables, lens, s.scale, splits)
+
+    sweep("decode", tm.MLA_DECODE_CONFIG, variants, run, batch * ctx * (s.latent + s.rope) * 2 / HBM_BYTES_S)
+
+
+def _prefill_flops(s: Shape, n: int) -> float:
+    """Causal attention over n tokens plus ``kv_b_proj`` of their latents, one layer."""
+    return 2 * s.heads * (n * n / 2) * (s.nope + s.rope + s.v) + 2 * n * s.latent * s.heads * (s.nope + s.v)
 
 
 def _verdict(ok: bool) -> str:
@@ -246,8 +268,7 @@ def backend_checks(s: Shape, dev: torch.device) -> None:
     n = s.prefill_len
     _, _, run = backend_case(s, _step([n], [n], s.block_size, True), dev)
     t = device_time(run)
-    attn = 2 * s.heads * (n * n / 2) * (s.nope + s.rope + s.v)
-    flops = attn + 2 * n * s.latent * s.heads * (s.nope + s.v)  # causal attention + kv_b_proj
+    flops = _prefill_flops(s, n)
     FIG["prefill_layer_us"] = {"tokens": n, "us": t * 1e6, "floor_us": flops / MATMUL_FLOP_S * 1e6}
     row(
         f"prefill attention, one layer, {n} tokens",
@@ -404,10 +425,10 @@ def main() -> None:
     shape = Shape(args.tiny)
     if "decode" not in skip:
         run_section("decode kernel: check and speed", decode_check_and_speed, shape, dev)
-    if "configs" not in skip:
-        run_section("decode kernel: launch configs", decode_configs, shape, dev)
     if "backend" not in skip:
         run_section("backend against torch", backend_checks, shape, dev)
+    if "configs" not in skip:
+        run_section("launch configs", launch_configs, shape, dev)
     if "model" not in skip:
         # a hard stop too, in case one step hangs: the table and the JSON still get written
         signal.signal(signal.SIGALRM, _timed_out)
