@@ -145,7 +145,7 @@ if HAS_TRITON:
         group_size = tl.minimum(num_blocks - first_m, GROUP_M)
         return first_m + (pid % per_group) % group_size, (pid % per_group) // group_size
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])  # one build for every token count
     def _gate_up_kernel(
         x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_slot_ptr, num_padded_ptr,
         num_pairs, inter, hidden, num_blocks,
@@ -180,7 +180,7 @@ if HAS_TRITON:
         out_ptrs = out_ptr + pairs[:, None] * stride_ot + cols[None, :]
         tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])  # one build for every token count
     def _down_kernel(
         act_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_slot_ptr, num_padded_ptr, pair_weight_ptr,
         num_pairs, hidden, inter, num_blocks,

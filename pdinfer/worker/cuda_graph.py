@@ -4,7 +4,8 @@ A decode step of B sequences replays the graph of the smallest bucket >= B; rows
 padding (KV slot -1: nothing written; context 0: nothing read). The graph covers the whole
 forward and the logits; sampling stays outside (its branches depend on the batch's settings).
 The attention grid depends only on the bucket (see ``decode_num_splits``), so one graph serves
-every context length. Graphs are off for PROMPT engines and with ``enforce_eager``.
+every context length. Graphs are off for PROMPT engines and with ``enforce_eager``; MoE models
+are captured when their experts run the fused Triton path without EPLB (``gpu_runner.graph_blocker``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 import torch
 
 from pdinfer.layers.attention.triton_paged import GpuAttentionMetadata, decode_num_splits
-from pdinfer.models.llama import LlamaForCausalLM
+from pdinfer.models.loader import CausalLM
 from pdinfer.worker.cache_engine import CacheEngine
 from pdinfer.worker.gpu_input import GpuStep
 from pdinfer.worker.step_input import StepInput
@@ -26,7 +27,7 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
 
 class CudaGraphRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, max_batch: int, max_blocks: int, num_sms: int):
+    def __init__(self, model: CausalLM, cache: CacheEngine, max_batch: int, max_blocks: int, num_sms: int):
         self.model = model
         self.cache = cache
         self.num_sms = num_sms
