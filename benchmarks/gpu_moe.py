@@ -21,6 +21,7 @@ last and every figure written to ``--out``/gpu_moe.json (default $OUT).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -51,25 +52,11 @@ SHAPES = {  # hidden, experts, top_k, expert intermediate, renormalized top-k we
 TOKENS = (1, 64, 256, 4096)
 TINY_SHAPES = {"tiny-8x2": (64, 8, 2, 48, True), "tiny-16x4": (40, 16, 4, 24, False)}
 TINY_TOKENS = (1, 5, 17)
-TINY_PRESET = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "norm_topk_prob": True,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "max_position_embeddings": 512,
-    "vocab_size": 512,
-    "tie_word_embeddings": False,
-    "eos_token_id": 1,
-}
+TINY_PRESET = dict(
+    PRESETS["qwen3-30b-a3b"], hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+    max_position_embeddings=512, vocab_size=512, eos_token_id=1,
+)  # fmt: skip
 
 FIG: dict[str, object] = {}
 ROWS: list[tuple[str, ...]] = []
@@ -190,6 +177,50 @@ def layers(shapes, tokens, dtype, check: bool, time_it: bool) -> None:
                 row(f"{name} T={t}", "ERROR (see log)")
             if DEVICE.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+SWEEP = [  # block_m, block_n, block_k, group_m, warps, stages
+    (16, 64, 128, 1, 4, 3),
+    (16, 128, 128, 1, 4, 2),
+    (32, 64, 128, 1, 4, 3),
+    (32, 128, 64, 8, 4, 3),
+    (64, 64, 64, 8, 4, 4),
+    (64, 128, 64, 8, 4, 3),
+    (64, 128, 64, 8, 8, 4),
+    (128, 128, 64, 8, 8, 3),
+]
+
+
+def sweep(shapes, tokens, dtype) -> None:
+    """Graph-replayed time of each kernel config in SWEEP: a start for tuning ``CONFIGS``."""
+    for name, shape in shapes.items():
+        layer = make_layer(shape, dtype)
+        gate_up, down = layer.experts.gate_up_proj, layer.experts.down_proj
+        for t in tokens:
+            x = torch.randn(t, shape[0], device=DEVICE, dtype=dtype)
+            weights, ids = layer.gate(x)
+            default = triton_moe.pick_config(t, shape[2], shape[1])
+            times = {}
+            for c in SWEEP:
+                cfg = triton_moe.MoEKernelConfig(*c)
+                try:
+                    run = functools.partial(triton_moe.fused_experts, x, gate_up, down, weights, ids, cfg)
+                    times[c] = graph_timed(run)
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                    log(f"  {name} T={t} {c}: {type(e).__name__}")
+            done = {c: v for c, v in times.items() if v is not None}
+            if not done:
+                continue
+            best = min(done, key=done.__getitem__)
+            mine = tuple(
+                getattr(default, f) for f in ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+            )
+            FIG[f"sweep_{name}_T{t}"] = {str(c): v for c, v in done.items()}
+            row(
+                f"sweep {name} T={t}",
+                f"best {best}: {done[best] * 1e6:.0f} us",
+                f"default {mine}: {done[mine] * 1e6:.0f} us" if mine in done else f"default {mine}",
+            )
 
 
 # --- (c) the whole model -------------------------------------------------------------------------
@@ -326,6 +357,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out/gpu"))
     parser.add_argument("--skip", default="", help="comma list of: correct, layer, model")
     parser.add_argument("--tiny", action="store_true", help="small shapes (runs on a CPU, in the interpreter)")
+    parser.add_argument("--sweep", action="store_true", help="also time each kernel config in SWEEP")
     parser.add_argument("--model-layers", type=int, default=0, help="a qwen3-30b-a3b with fewer layers (0: all 48)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -353,6 +385,8 @@ def main() -> None:
         sizes = {"prompt_len": 512, "new_tokens": 64, "batches": (1, 64), "prefill": (8, 1024)}
     if "correct" not in skip or "layer" not in skip:
         run_section("(a)(b) one MoE layer", layers, shapes, tokens, dtype, "correct" not in skip, "layer" not in skip)
+    if args.sweep:
+        run_section("kernel config sweep", sweep, shapes, tokens, dtype)
     if "model" not in skip:
         run_section(f"(c) whole model {preset}", whole_model, preset, kwargs, sizes)
     (out / "gpu_moe.json").write_text(json.dumps({"figures": FIG, "table": ROWS}, indent=1, default=str))
