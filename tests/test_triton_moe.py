@@ -163,3 +163,68 @@ def test_layer_fused_over_eplb_replica_slots():
     assert rel_err(layer(x), want) < 1e-5
     assert int(layer.expert_load.sum()) == 21 * 2
     assert placement.to_slots(plain.gate(x)[1]).ge(experts).any()  # some pairs did take a replica
+
+
+# --- a Qwen3-MoE step through the CUDA step path, fused experts; graph eligibility ---------------
+def _tiny_moe_runner():
+    from pdinfer.config import EngineArgs
+    from pdinfer.models.spec import ModelSpec
+    from pdinfer.worker.model_runner import ModelRunner
+
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        **dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=24, num_hidden_layers=2),
+        **dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2),
+        **dict(norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=96),
+        "max_position_embeddings": 256,
+    }
+    spec = ModelSpec.from_hf_config(config)
+    return ModelRunner(spec, "", "dummy", torch.float32, torch.device("cpu"), EngineArgs().runner_options, seed=3)
+
+
+def test_moe_model_gpu_step_path_with_fused_experts():
+    from pdinfer.worker.gpu_runner import GpuStepRunner, graph_blocker
+    from pdinfer.worker.step_input import SampleSpec, StepInput
+
+    cpu, gpu = _tiny_moe_runner(), _tiny_moe_runner()
+    gpu.gpu = GpuStepRunner(gpu)  # what a CUDA ModelRunner does, here on CPU tensors
+    layers = [m for m in gpu.model.modules() if isinstance(m, SparseMoE)]
+    assert graph_blocker(gpu.model) is not None  # CPU tensors: the torch path, no graphs
+    for layer in layers:
+        layer.experts.use_fused = True
+    assert graph_blocker(gpu.model) is None
+    for r in (cpu, gpu):
+        r.init_cache(num_blocks=16, block_size=4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 11)]
+    tables = [[3, 7], [1, 9, 4]]
+
+    def sample(row, position):
+        return SampleSpec(row=row, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=position)
+
+    prefill = StepInput(
+        step_id=0,
+        is_prompt=True,
+        input_ids=prompts[0] + prompts[1],
+        positions=list(range(5)) + list(range(11)),
+        query_lens=[5, 11],
+        context_lens=[5, 11],
+        block_tables=tables,
+        samples=[sample(4, 5), sample(15, 11)],
+    )
+    decode = StepInput(
+        step_id=1,
+        is_prompt=False,
+        input_ids=[-1, -1],
+        positions=[5, 11],
+        query_lens=[1, 1],
+        context_lens=[6, 12],
+        block_tables=tables,
+        samples=[sample(0, 6), sample(1, 12)],
+        pending=[(0, 0, 0), (1, 0, 1)],
+    )
+    for inp in (prefill, decode):
+        assert gpu.execute(inp).wait().token_ids == cpu.execute(inp).token_ids, inp.step_id
+    assert rel_err(gpu.cache.kv, cpu.cache.kv) < 1e-5
+    layers[0].placement = ExpertPlacement.initial(8, 0, 1, 0, torch.device("cpu"))
+    assert "EPLB" in str(graph_blocker(gpu.model))  # a rearrangement would swap what a graph holds
