@@ -76,8 +76,9 @@ def align_block_size(
     rows = max_sorted_rows(num_pairs, num_slots, block_m)
     # scatter_add_, not bincount: bincount reads the largest id on the host.
     counts = torch.zeros(num_slots, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded_end = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
-    padded_start = padded_end - (counts + block_m - 1) // block_m * block_m
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
     order = flat.argsort(stable=True)
     slot_sorted = flat.index_select(0, order)
     first = counts.cumsum(0) - counts  # where each slot's pairs start in `order`
