@@ -49,9 +49,9 @@ SHAPES = {  # hidden, experts, top_k, expert intermediate, renormalized top-k we
     "qwen3-30b-a3b": (2048, 128, 8, 768, True),
     "deepseek-v2-lite": (2048, 64, 6, 1408, False),
 }
-TOKENS = (1, 64, 256, 4096)
+TOKENS: tuple[int, ...] = (1, 64, 256, 4096)
 TINY_SHAPES = {"tiny-8x2": (64, 8, 2, 48, True), "tiny-16x4": (40, 16, 4, 24, False)}
-TINY_TOKENS = (1, 5, 17)
+TINY_TOKENS: tuple[int, ...] = (1, 5, 17)
 TINY_PRESET = dict(
     PRESETS["qwen3-30b-a3b"], hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -59,6 +59,7 @@ TINY_PRESET = dict(
 )  # fmt: skip
 
 FIG: dict[str, object] = {}
+ERRORS: list[str] = []  # the sections and cases that raised
 ROWS: list[tuple[str, ...]] = []
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -178,7 +179,7 @@ def layers(shapes, tokens, dtype, check: bool, time_it: bool) -> None:
                 layer_case(name, shape, t, dtype, check, time_it)
             except Exception:  # noqa: BLE001 - one failed case must not lose the others
                 log(traceback.format_exc())
-                FIG.setdefault("errors", []).append(f"layer {name} T={t}")  # type: ignore[union-attr]
+                ERRORS.append(f"layer {name} T={t}")
                 row(f"{name} T={t}", "ERROR (see log)")
             if DEVICE.type == "cuda":
                 torch.cuda.empty_cache()
@@ -319,7 +320,7 @@ def whole_model(preset: str, engine_kwargs: dict, sizes: dict) -> None:
     prompt_len, new_tokens = sizes["prompt_len"], sizes["new_tokens"]
     ctx = prompt_len + new_tokens / 2
     num, length = sizes["prefill"]
-    modes = [("fused+graphs" if graphs is not None else "fused", None, True)]
+    modes: list[tuple[str, str | None, bool]] = [("fused+graphs" if graphs is not None else "fused", None, True)]
     if graphs is not None:
         modes.append(("fused eager", "eager", True))
     modes.append(("torch eager", "eager", False))
@@ -349,7 +350,7 @@ def run_section(name: str, fn, *args) -> None:
         fn(*args)
     except Exception:  # noqa: BLE001 - one failed section must not lose the others' figures
         log(traceback.format_exc())
-        FIG.setdefault("errors", []).append(name)  # type: ignore[union-attr]
+        ERRORS.append(name)
         row(name, "ERROR (see log)")
     finally:
         log(f"   ({name}: {time.perf_counter() - start:.1f} s)")
@@ -394,10 +395,11 @@ def main() -> None:
         run_section("kernel config sweep", sweep, shapes, tokens, dtype)
     if "model" not in skip:
         run_section(f"(c) whole model {preset}", whole_model, preset, kwargs, sizes)
+    FIG["errors"] = ERRORS
     (out / "gpu_moe.json").write_text(json.dumps({"figures": FIG, "table": ROWS}, indent=1, default=str))
     log("\n" + format_table())
     failed = [k for k, v in FIG.items() if isinstance(v, dict) and v.get("pass") is False]
-    log(f"\ncorrectness: {'FAIL ' + ', '.join(failed) if failed else 'all PASS'}; errors: {FIG.get('errors', [])}")
+    log(f"\ncorrectness: {'FAIL ' + ', '.join(failed) if failed else 'all PASS'}; errors: {ERRORS}")
 
 
 def format_table() -> str:
