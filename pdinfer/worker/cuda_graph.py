@@ -4,7 +4,8 @@ A decode step of B sequences replays the graph of the smallest bucket >= B; rows
 padding (KV slot -1: nothing written; context 0: nothing read). The graph covers the whole
 forward and the logits; sampling stays outside (its branches depend on the batch's settings).
 The attention grid depends only on the bucket (see ``decode_num_splits``), so one graph serves
-every context length. Graphs are off for PROMPT engines and with ``enforce_eager``.
+every context length. Graphs are off for PROMPT engines and with ``enforce_eager``; MoE models
+are captured when their experts run the fused Triton path without EPLB (``gpu_runner.graph_blocker``).
 """
 
 from __future__ import annotations

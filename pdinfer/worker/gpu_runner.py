@@ -20,12 +20,14 @@ import torch
 from pdinfer.layers.attention.triton_mla import mla_decode_programs, use_triton_mla
 from pdinfer.layers.attention.triton_paged import use_triton_attention
 from pdinfer.layers.moe import SparseMoE
+from pdinfer.models.llama import LlamaForCausalLM
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
 from pdinfer.worker.gpu_input import GpuInputBuilder, GpuStep
 from pdinfer.worker.sampler import SamplerOutput, constraint_tensors, score_prompt
 from pdinfer.worker.step_input import StepInput, StepResult
 
 if TYPE_CHECKING:
+    from pdinfer.models.loader import CausalLM
     from pdinfer.worker.cuda_graph import CudaGraphRunner
     from pdinfer.worker.model_runner import ModelRunner
 
@@ -121,9 +123,9 @@ class GpuStepRunner:
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         from pdinfer.worker.cuda_graph import CudaGraphRunner
 
-        if any(isinstance(m, SparseMoE) for m in self.model.modules()):
-            # the MoE torch path reads per-expert row counts on the host (layers/moe.py)
-            logger.info("%s runs without CUDA graphs: its MoE layers sync on the host", self.spec.architecture)
+        reason = graph_blocker(self.model)
+        if reason is not None:
+            logger.info("%s runs without CUDA graphs: %s", self.spec.architecture, reason)
             return
         cache = self.runner.require_cache()
         max_blocks = -(-max_model_len // cache.block_size)
@@ -255,6 +257,19 @@ class GpuStepRunner:
                 "kept free; raise gpu_memory_utilization"
             )
         return num_blocks
+
+
+def graph_blocker(model: CausalLM) -> str | None:
+    """Why decode steps of ``model`` cannot be replayed from CUDA graphs; None if they can."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if not layers:
+        return None if isinstance(model, LlamaForCausalLM) else "not a graph-tested architecture"
+    for layer in layers:
+        if layer.placement is not None:  # a rearrangement swaps the slot map a graph would keep
+            return "EPLB's placement changes between steps"
+        if not layer.experts.fused(layer.experts.down_proj):  # the torch path reads counts on the host
+            return "the MoE experts run the torch path (no Triton)"
+    return None
 
 
 def _profile_input(seqs: int, num_tokens: int, num_rows: int, blocks_per_seq: int, decode: bool) -> StepInput:
