@@ -5,9 +5,10 @@ The experts of a layer are two stacked weights, ``gate_up_proj`` [E, 2 * I, H] a
 ``down_proj`` [E, H, I] (transformers' layout), so one expert is a contiguous slice. A step
 sorts its (token, expert) pairs by expert, runs each chosen expert once over its slice of rows
 and adds the weighted results back per token with ``index_add_``: no loop over tokens, and no
-work for experts nobody picked. This path reads the per-expert row counts on the host, so it
-runs eagerly (no CUDA graphs); the fused GPU kernel (a grouped GEMM over the same sorted rows)
-is not written yet.
+work for experts nobody picked. This path reads the per-expert row counts on the host, so on
+CUDA it would run eagerly; there the experts run the fused Triton path instead
+(``layers/triton_moe.py``: a grouped GEMM over the same sorted rows, no host sync, so decode
+steps are captured in CUDA graphs).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdinfer.layers import cpu_kernels
+from pdinfer.layers import cpu_kernels, triton_moe
 
 if TYPE_CHECKING:
     from pdinfer.models.spec import MoESpec
@@ -83,12 +84,23 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.slot_experts = list(range(num_experts))
+        # None: the fused Triton path on CUDA tensors when Triton is there, the torch path
+        # otherwise; True/False force one (tests run the fused path on CPU in Triton's
+        # interpreter, benchmarks compare the two).
+        self.use_fused: bool | None = None
 
     def slots_of(self, expert: int) -> list[int]:
         """The local slots holding logical ``expert`` (none if another rank holds it)."""
         return [slot for slot, e in enumerate(self.slot_experts) if e == expert]
 
+    def fused(self, x: torch.Tensor) -> bool:
+        if self.use_fused is None:
+            return x.is_cuda and triton_moe.HAS_TRITON
+        return self.use_fused
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.fused(x):
+            return triton_moe.fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
         return grouped_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
 
 
@@ -154,7 +166,8 @@ class SparseMoE(nn.Module):
             out = self.experts(x, weights, ids)
         else:
             if self.expert_load is not None:
-                self.expert_load += torch.bincount(ids.reshape(-1), minlength=self.placement.num_experts)
+                flat = ids.reshape(-1)  # index_add_, not bincount: no host sync on CUDA
+                self.expert_load.index_add_(0, flat, torch.ones_like(flat))
             slots = self.placement.to_slots(ids)
             if self.dispatcher is None:  # every slot is here
                 out = self.experts(x, weights, slots)

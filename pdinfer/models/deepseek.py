@@ -42,7 +42,9 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = KVUpProjection(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=bias)
-        self.attn = MLAPagedAttention(heads, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim, mla.softmax_scale)
+        self.backend = MLAPagedAttention(
+            heads, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim, mla.softmax_scale
+        )
 
     def forward(self, x, cos, sin, kv_cache, meta, keep_rows=None) -> torch.Tensor:
         mla = self.mla
@@ -52,7 +54,7 @@ class MLAttention(nn.Module):
         rotate = rotate_interleaved if mla.rope_interleave else apply_rotary
         q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope.unsqueeze(1), cos, sin).squeeze(1)
         entries = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)
-        out = self.attn.forward(q_nope, q_rope, entries, self.kv_b_proj.weight, kv_cache[:, self.layer_idx], meta)
+        out = self.backend.forward(q_nope, q_rope, entries, self.kv_b_proj.weight, kv_cache[:, self.layer_idx], meta)
         if keep_rows is not None:
             out = out.index_select(0, keep_rows)
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * mla.v_head_dim))
@@ -70,8 +72,6 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 class DeepseekForCausalLM(DecoderLM):
     """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (the spec carries the differences)."""
-
-    supports_cuda = False  # no paged MLA kernel for CUDA yet: refused at load, see models/loader.py
 
     def __init__(self, spec: ModelSpec):
         if spec.mla is None or spec.moe is None:

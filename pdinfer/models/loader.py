@@ -89,11 +89,6 @@ def build_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_class = MODEL_CLASSES[spec.family]
-    if device.type != "cpu" and not getattr(model_class, "supports_cuda", True):
-        raise NotImplementedError(
-            f"{spec.architecture} runs on CPU only for now: its paged MLA attention has no "
-            f"{device.type} kernel yet; use device='cpu'"
-        )
     # Built on the meta device and then given empty storage: no time spent on random init.
     with torch.device("meta"):
         model = model_class(spec)

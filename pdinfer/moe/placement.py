@@ -58,7 +58,8 @@ class ExpertPlacement:
             return self.replica_slots[expert_ids, 0]
         flat = expert_ids.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))  # not bincount: no host sync on CUDA
         first = counts.cumsum(0) - counts  # where each expert's pairs start in `order`
         nth_sorted = torch.arange(flat.numel(), device=flat.device) - first.index_select(0, flat.index_select(0, order))
         nth = torch.empty_like(flat).index_copy_(0, order, nth_sorted)  # j: this pair is expert's j-th

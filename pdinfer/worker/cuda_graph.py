@@ -4,7 +4,8 @@ A decode step of B sequences replays the graph of the smallest bucket >= B; rows
 padding (KV slot -1: nothing written; context 0: nothing read). The graph covers the whole
 forward and the logits; sampling stays outside (its branches depend on the batch's settings).
 The attention grid depends only on the bucket (see ``decode_num_splits``), so one graph serves
-every context length. Graphs are off for PROMPT engines and with ``enforce_eager``.
+every context length. Graphs are off for PROMPT engines and with ``enforce_eager``; MoE models
+are captured when their experts run the fused Triton path without EPLB (``gpu_runner.graph_blocker``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 import torch
 
 from pdinfer.layers.attention.triton_paged import GpuAttentionMetadata, decode_num_splits
-from pdinfer.models.llama import LlamaForCausalLM
+from pdinfer.models.loader import CausalLM
 from pdinfer.worker.cache_engine import CacheEngine
 from pdinfer.worker.gpu_input import GpuStep
 from pdinfer.worker.step_input import StepInput
@@ -26,11 +27,14 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
 
 class CudaGraphRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, max_batch: int, max_blocks: int, num_sms: int):
+    def __init__(
+        self, model: CausalLM, cache: CacheEngine, max_batch: int, max_blocks: int, num_sms: int, decode_programs: int
+    ):
+        """``decode_programs``: decode attention programs per sequence and split (``GpuInputBuilder``)."""
         self.model = model
         self.cache = cache
         self.num_sms = num_sms
-        self.num_kv_heads = cache.kv.shape[4]
+        self.decode_programs = decode_programs
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {min(max_batch, BUCKETS[-1])})
         self.max_batch = self.buckets[-1]
         n, dev = self.max_batch, cache.kv.device
@@ -42,7 +46,7 @@ class CudaGraphRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def num_splits(self, bucket: int) -> int:
-        return decode_num_splits(bucket, self.num_kv_heads, None, self.num_sms)
+        return decode_num_splits(bucket, self.decode_programs, None, self.num_sms)
 
     def bucket_for(self, inp: StepInput) -> int | None:
         """The graph batch for this step, or None when it must run eagerly."""

@@ -84,12 +84,25 @@ def _floats(t: torch.Tensor) -> torch.Tensor:
 
 
 class GpuInputBuilder:
-    def __init__(self, block_size: int, vocab_size: int, num_kv_heads: int, device: torch.device, num_sms: int = 132):
+    """``decode_programs``: decode attention programs per sequence and split (KV heads for dense
+    attention, head groups for MLA); ``latent_cache``: an MLA model, whose prefill gathers each
+    sequence's context blocks (``GpuAttentionMetadata.context_blocks``)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        vocab_size: int,
+        decode_programs: int,
+        device: torch.device,
+        num_sms: int = 132,
+        latent_cache: bool = False,
+    ):
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self.num_kv_heads = num_kv_heads
+        self.decode_programs = decode_programs
         self.device = device
         self.num_sms = num_sms
+        self.latent_cache = latent_cache
 
     def build(self, inp: StepInput, pad_to: int | None = None, num_splits: int | None = None) -> GpuStep:
         """``pad_to``/``num_splits``: the CUDA-graph batch this decode step replays with."""
@@ -116,6 +129,9 @@ class GpuInputBuilder:
         ctx_pad[:num_seqs] = ctx
         i_ids, i_pos, i_slots, i_bt, i_ctx = (p.add(ids), p.add(pos), p.add(slots), p.add(tables), p.add(ctx_pad))
         prefill = None if is_decode else _pack_prefill_tiles(p, qlens)
+        context = (
+            _pack_context_blocks(p, inp.block_tables, ctx, bs) if prefill is not None and self.latent_cache else None
+        )
 
         sample_rows = [s.row for s in inp.samples]
         identity = sample_rows == list(range(len(sample_rows)))
@@ -127,7 +143,7 @@ class GpuInputBuilder:
 
         dev = p.ship(self.device)
         if prefill is None:  # a decode step
-            splits = num_splits or decode_num_splits(num_seqs, self.num_kv_heads, int(ctx.max()), self.num_sms)
+            splits = num_splits or decode_num_splits(num_seqs, self.decode_programs, int(ctx.max()), self.num_sms)
             meta = GpuAttentionMetadata(True, dev[i_slots], dev[i_bt], dev[i_ctx], num_splits=splits, num_tokens=padded)
         else:
             i_qs, i_ws, i_wt, num_work = prefill
@@ -142,6 +158,8 @@ class GpuInputBuilder:
                 num_work=num_work,
                 num_tokens=t,
             )
+            if context is not None:
+                meta.context_blocks, meta.context_starts = dev[context[0]], dev[context[1]]
         step = GpuStep(
             batch=t,
             padded=padded,
@@ -260,6 +278,15 @@ def _pack_prefill_tiles(p: _Packer, qlens: np.ndarray) -> tuple[int, int, int, i
     work_tile = np.arange(work_seq.size) - np.repeat(starts, tiles)
     qstart = np.concatenate(([0], np.cumsum(qlens)))
     return p.add(qstart), p.add(work_seq), p.add(work_tile), work_seq.size
+
+
+def _pack_context_blocks(p: _Packer, tables: list[list[int]], ctx: np.ndarray, bs: int) -> tuple[int, int]:
+    """MLA prefill: the blocks covering each sequence's context, concatenated, and the first
+    token row of each sequence's context in that list of blocks."""
+    counts = -(-ctx // bs)
+    blocks = [b for table, n in zip(tables, counts.tolist()) for b in table[:n]]
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])) * bs if counts.size else counts
+    return p.add(np.asarray(blocks, dtype=np.int64)), p.add(starts)
 
 
 def _block_table_array(tables: list[list[int]], rows: int) -> np.ndarray:

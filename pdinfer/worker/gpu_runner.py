@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdinfer.layers.attention.triton_mla import mla_decode_programs, use_triton_mla
 from pdinfer.layers.attention.triton_paged import use_triton_attention
+from pdinfer.layers.moe import SparseMoE
 from pdinfer.models.llama import LlamaForCausalLM
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
 from pdinfer.worker.gpu_input import GpuInputBuilder, GpuStep
@@ -25,6 +27,7 @@ from pdinfer.worker.sampler import SamplerOutput, constraint_tensors, score_prom
 from pdinfer.worker.step_input import StepInput, StepResult
 
 if TYPE_CHECKING:
+    from pdinfer.models.loader import CausalLM
     from pdinfer.worker.cuda_graph import CudaGraphRunner
     from pdinfer.worker.model_runner import ModelRunner
 
@@ -96,6 +99,10 @@ class GpuStepRunner:
         if self.device.index is not None:  # "cuda:N": this thread's kernels (Triton too) go there
             torch.cuda.set_device(self.device)
         use_triton_attention(self.model)
+        use_triton_mla(self.model)
+        mla = self.spec.mla
+        # decode attention programs per sequence and split: KV heads, or MLA's head groups
+        self.decode_programs = mla_decode_programs(self.spec.num_heads) if mla else self.spec.num_kv_heads
         props = torch.cuda.get_device_properties(self.device) if self.device.type == "cuda" else None
         self.num_sms = props.multi_processor_count if props is not None else 132
         self.builder: GpuInputBuilder | None = None
@@ -105,19 +112,24 @@ class GpuStepRunner:
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
     def init_cache(self, cache: CacheEngine) -> None:
-        self.builder = GpuInputBuilder(
-            cache.block_size, self.spec.vocab_size, self.spec.num_kv_heads, self.device, self.num_sms
+        self.builder = self._input_builder(cache.block_size)
+
+    def _input_builder(self, block_size: int) -> GpuInputBuilder:
+        latent = self.spec.mla is not None
+        return GpuInputBuilder(
+            block_size, self.spec.vocab_size, self.decode_programs, self.device, self.num_sms, latent_cache=latent
         )
 
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         from pdinfer.worker.cuda_graph import CudaGraphRunner
 
-        if not isinstance(self.model, LlamaForCausalLM):  # the MoE path syncs on the host (layers/moe.py)
-            logger.info("%s runs without CUDA graphs", self.spec.architecture)
+        reason = graph_blocker(self.model)
+        if reason is not None:
+            logger.info("%s runs without CUDA graphs: %s", self.spec.architecture, reason)
             return
         cache = self.runner.require_cache()
         max_blocks = -(-max_model_len // cache.block_size)
-        self.graphs = CudaGraphRunner(self.model, cache, max_batch, max_blocks, self.num_sms)
+        self.graphs = CudaGraphRunner(self.model, cache, max_batch, max_blocks, self.num_sms, self.decode_programs)
         self.graphs.capture()
 
     # --- one step ----------------------------------------------------------------------------
@@ -209,7 +221,7 @@ class GpuStepRunner:
         blocks_per_seq = 1 if decode else -(-num_tokens // block_size)
         scratch = CacheEngine(spec, seqs * blocks_per_seq, block_size, self.runner.dtype, self.device)
         inp = _profile_input(seqs, num_tokens, num_rows, blocks_per_seq, decode)
-        builder = GpuInputBuilder(block_size, spec.vocab_size, spec.num_kv_heads, self.device, self.num_sms)
+        builder = self._input_builder(block_size)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -245,6 +257,19 @@ class GpuStepRunner:
                 "kept free; raise gpu_memory_utilization"
             )
         return num_blocks
+
+
+def graph_blocker(model: CausalLM) -> str | None:
+    """Why decode steps of ``model`` cannot be replayed from CUDA graphs; None if they can."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if not layers:
+        return None if isinstance(model, LlamaForCausalLM) else "not a graph-tested architecture"
+    for layer in layers:
+        if layer.placement is not None:  # a rearrangement swaps the slot map a graph would keep
+            return "EPLB's placement changes between steps"
+        if not layer.experts.fused(layer.experts.down_proj):  # the torch path reads counts on the host
+            return "the MoE experts run the torch path (no Triton)"
+    return None
 
 
 def _profile_input(seqs: int, num_tokens: int, num_rows: int, blocks_per_seq: int, decode: bool) -> StepInput:

@@ -13,8 +13,9 @@ part), about 1/7 of full K and V for DeepSeek-V2-Lite. Heads exist only after th
   q_rope . k_rope over the cached vectors directly, and the weighted latent sum goes through
   W_UV; no per-head K or V is ever built.
 
-Index tensors are built once per step (``build_mla_metadata``) and serve every layer. CPU only
-for now: the CUDA runner has no paged MLA kernel and refuses these models at load.
+Index tensors are built once per step (``build_mla_metadata``) and serve every layer. This is
+the CPU backend; on CUDA the model runner swaps in ``triton_mla.TritonMLAttention`` (same
+paths, Triton kernels, the CUDA step's metadata).
 """
 
 from __future__ import annotations

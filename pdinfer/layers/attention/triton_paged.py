@@ -46,6 +46,10 @@ class GpuAttentionMetadata:
     work_tile: torch.Tensor | None = None  # prefill: [W] tile index inside its sequence
     num_work: int = 0
     num_tokens: int = 0
+    # MLA prefill (``triton_mla``): the cache blocks of each sequence's context, sequence after
+    # sequence ([NB]), and the first token row of each sequence's context among them ([S])
+    context_blocks: torch.Tensor | None = None
+    context_starts: torch.Tensor | None = None
 
 
 PREFILL_BLOCK_M = 128  # query rows per prefill program; the metadata builder tiles with it
