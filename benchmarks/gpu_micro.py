@@ -151,26 +151,53 @@ def _profile_decode_step(llm, cache: CacheEngine, tables: torch.Tensor, ctx: int
 
 def role_profiles() -> None:
     """KV blocks a PROMPT engine (prefill budget 16k tokens) and a COMPLETION engine (256
-    sequences) get on the same device, from their measured peaks."""
+    sequences) get on the same device, from their measured peaks, on the 1B and 8B shapes.
+    Checks that the difference is what their peaks and graph reserves make (net of the free
+    memory each saw), and reports whether the CE gets more."""
+    for preset, label in (("llama-3.2-1b", "1B"), ("llama-3.1-8b", "8B")):
+        prof = {role: _role_profile(preset, role) for role in ("prompt", "completion")}
+        FIG[f"profiles_{label}"] = prof
+        pe, ce = prof["prompt"], prof["completion"]
+        for role, p in prof.items():
+            row(
+                f"{label} KV blocks, {role} role (util 0.5)",
+                str(p["num_blocks"]),
+                f"peak {p['peak'] / 2**20:.0f} MiB, graph room {p['reserve'] / 2**20:.0f} MiB",
+            )
+        # blocks = (free - kept - peak - reserve) // per_block
+        need = {r: (p["peak"] + p["reserve"]) / p["per_block"] for r, p in prof.items()}
+        expected = need["prompt"] - need["completion"] + (ce["free"] - pe["free"]) / pe["per_block"]
+        got = ce["num_blocks"] - pe["num_blocks"]
+        consistent = abs(got - expected) <= 1
+        row(
+            f"{label} KV blocks, CE minus PE",
+            f"{got} (at equal free memory {need['prompt'] - need['completion']:.0f})",
+            f"from the peaks {expected:.0f}",
+            ("PASS" if consistent else "FAIL") + (", CE more" if got > 0 else ", CE fewer"),
+        )
+        if not consistent:
+            FIG.setdefault("errors", []).append(f"role profiles {label}")
+
+
+def _role_profile(preset: str, role: str) -> dict:
     from pdinfer import EngineArgs, LLMEngine
 
-    for role in ("prompt", "completion"):
-        engine = LLMEngine(
-            EngineArgs(
-                model="preset:llama-3.2-1b",
-                load_format="dummy",
-                engine_type=role,
-                gpu_memory_utilization=0.5,
-                max_model_len=16384,
-                max_num_batched_tokens=16384,
-                max_num_seqs=256,
-            )
+    engine = LLMEngine(
+        EngineArgs(
+            model=f"preset:{preset}",
+            load_format="dummy",
+            engine_type=role,
+            gpu_memory_utilization=0.5,
+            max_model_len=16384,
+            max_num_batched_tokens=16384,
+            max_num_seqs=256,
         )
-        FIG[f"blocks_{role}"] = engine.num_blocks
-        row(f"1B KV blocks, {role} role (util 0.5)", str(engine.num_blocks))
-        engine.shutdown()
-        del engine
-        free_memory()
+    )
+    profile = dict(engine.model_runner.gpu.kv_profile)
+    engine.shutdown()
+    del engine
+    free_memory()
+    return profile
 
 
 def kv_staging(llm) -> None:

@@ -250,6 +250,24 @@ def test_same_seed_and_position_give_same_token_in_any_batch():
     assert other_seed.token_ids.tolist() != alone.tolist()
 
 
+def test_row_chunks_draw_what_the_whole_batch_draws(monkeypatch):
+    """A large batch is sampled in row chunks (bounded memory); every row's token is the one it
+    gets when the batch is sampled at once."""
+    from pdinfer.worker import sampler
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(29, 40, generator=gen)
+    specs = [
+        spec(temperature=0.5 + (i % 3) / 2, top_k=(-1, 7)[i % 2], top_p=(1.0, 0.8, 0.6)[i % 3], seed=i, position=i)
+        for i in range(29)
+    ]
+    whole = Sampler()(logits.clone(), tensors(specs, 40)).token_ids
+    monkeypatch.setattr(sampler, "SAMPLE_CHUNK_ENTRIES", 3 * 40)  # 3 rows a chunk, 10 chunks
+    chunked = Sampler()(logits.clone(), tensors(specs, 40)).token_ids
+    assert chunked.tolist() == whole.tolist()
+    assert len(set(whole.tolist())) > 5
+
+
 # --- engine level ------------------------------------------------------------------------------
 def test_seeded_request_same_alone_and_in_mixed_batch(prompt_ids):
     llm = make_llm()

@@ -148,6 +148,7 @@ class LLMEngine:
                 rows,
                 self.engine_type.sizes_for_decode,
                 gpu_memory_utilization=cc.gpu_memory_utilization,
+                graphs=self.use_cuda_graph,
             )
         self.model_runner.init_cache(self.num_blocks, cc.block_size)
         if self.engine_type is not EngineType.NORMAL:

@@ -107,6 +107,7 @@ class GpuStepRunner:
         self.num_sms = props.multi_processor_count if props is not None else 132
         self.builder: GpuInputBuilder | None = None
         self.graphs: CudaGraphRunner | None = None
+        self.kv_profile: dict[str, int] = {}  # the last profile_num_blocks: peak, free, ... (bytes)
         self._recent: OrderedDict[int, torch.Tensor] = OrderedDict()
         # Benchmarks set this to time each step's device span (idle gaps between steps).
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
@@ -212,7 +213,13 @@ class GpuStepRunner:
     # --- KV capacity -------------------------------------------------------------------------
     @torch.inference_mode()
     def profile_num_blocks(
-        self, block_size: int, num_tokens: int, num_rows: int, decode: bool, gpu_memory_utilization: float
+        self,
+        block_size: int,
+        num_tokens: int,
+        num_rows: int,
+        decode: bool,
+        gpu_memory_utilization: float,
+        graphs: bool = True,
     ) -> int:
         """KV blocks that fit in ``gpu_memory_utilization`` of the device next to the real peak
         of this role's largest step, measured by running it (``max_memory_allocated``)."""
@@ -238,10 +245,14 @@ class GpuStepRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         # CUDA graphs keep one pool for the largest decode batch: logits plus a margin.
-        graph_reserve = 256 * 2**20 + num_rows * spec.vocab_size * 4
+        # A PE captures no graphs, so it keeps no room for them.
+        graph_reserve = 256 * 2**20 + num_rows * spec.vocab_size * 4 if graphs else 0
         budget = free - (1.0 - gpu_memory_utilization) * total - peak - graph_reserve
         per_block = block_bytes(spec, block_size, self.runner.dtype)
         num_blocks = int(budget // per_block)
+        # what decided it, for the GPU suite's role check (benchmarks/gpu_micro.py)
+        self.kv_profile = {"peak": peak, "free": free, "total": total, "reserve": graph_reserve}
+        self.kv_profile.update(per_block=per_block, num_blocks=num_blocks)
         logger.info(
             "profile (%s, %d tokens): activation peak %.0f MiB, free %.1f GiB -> %d KV blocks",
             "decode" if decode else "prefill",

@@ -123,11 +123,13 @@ class ModelRunner:
         rows: int,
         decode: bool,
         gpu_memory_utilization: float = 0.9,
+        graphs: bool = True,
     ) -> int:
         """KV blocks that fit next to the peak activations of the largest step: ``tokens``
-        tokens with ``rows`` logit rows, a decode step or not (the engine's role decides)."""
+        tokens with ``rows`` logit rows, a decode step or not (the engine's role decides);
+        ``graphs``: room is kept for CUDA graphs (an engine that captures them)."""
         if self.gpu is not None:  # measured: a dummy step of this shape, real peak memory
-            return self.gpu.profile_num_blocks(block_size, tokens, rows, decode, gpu_memory_utilization)
+            return self.gpu.profile_num_blocks(block_size, tokens, rows, decode, gpu_memory_utilization, graphs)
         peak = self.activation_bytes(tokens, rows)
         if self.dispatcher is not None:  # the all-to-all buffers, sized by the role's MoE workspace
             peak += self.dispatcher.workspace_bytes

@@ -10,7 +10,7 @@ else is in the batch, on any engine role.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,19 +21,27 @@ _GOLDEN = 0x9E3779B1
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer mix on int64 tensors; products stay below 2**63 (no overflow)."""
-    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
-    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
-    return x ^ (x >> 16)
+    return _hash32_(x.clone())
+
+
+def _hash32_(x: torch.Tensor) -> torch.Tensor:
+    """``hash32`` in place: one temporary the size of ``x`` at a time."""
+    for _ in range(2):
+        x ^= x >> 16
+        x *= _MIX
+        x &= _MASK32
+    x ^= x >> 16
+    return x
 
 
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """u[i, v] in (0, 1), a pure function of (seeds[i], positions[i], v)."""
     row = hash32(hash32(seeds & _MASK32) ^ (positions & _MASK32))
     vocab = (torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * _GOLDEN) & _MASK32
-    h = hash32(row[:, None] ^ vocab[None, :])
+    h = _hash32_(row[:, None] ^ vocab[None, :])
     # 23 bits: (k + 0.5) / 2**23 is exact in float32, so u < 1 and -log(u) > 0 (with 24 bits
     # the top value rounds to 1.0, and p / -log(u) becomes inf, or NaN for a filtered token).
-    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return (h >> 9).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 23))
 
 
 @dataclass
@@ -112,10 +120,7 @@ class Sampler:
         if t.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
-            probs = filtered_probs(logits, t)
-            noise = uniform_noise(t.seeds, t.positions, logits.shape[-1])
-            sampled = (probs / -torch.log(noise)).argmax(dim=-1)
-            tokens = torch.where(t.temperatures == 0, logits.argmax(dim=-1), sampled)
+            tokens = torch.where(t.temperatures == 0, logits.argmax(dim=-1), sample_rows(logits, t))
         out = SamplerOutput(token_ids=tokens)
         if raw_logprobs is not None:
             out.logprobs = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
@@ -178,6 +183,40 @@ def _token_counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return counts[:, :vocab]
 
 
+# Vocabulary entries filtered and sampled at a time. Rows are independent, so a large batch is
+# sampled in row chunks: the sort, its workspace and the noise take about ten float32 copies of
+# what they cover, which for 256 rows of a 128k vocabulary (1.25 GiB) was the largest buffer of
+# a decode step, and so cost a COMPLETION engine its KV blocks.
+SAMPLE_CHUNK_ENTRIES = 1 << 23
+
+
+def sample_rows(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Each row's token drawn from its filtered distribution by the seeded exponential race."""
+    num_rows, vocab = logits.shape
+    rows = max(1, SAMPLE_CHUNK_ENTRIES // max(1, vocab))
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    for start in range(0, num_rows, rows):
+        part = slice(start, start + rows)
+        sub = t if rows >= num_rows else _rows_of(t, part)
+        probs = filtered_probs(logits[part], sub)
+        probs /= -torch.log(uniform_noise(sub.seeds, sub.positions, vocab))
+        out[part] = probs.argmax(dim=-1)
+    return out
+
+
+def _rows_of(t: SamplingTensors, part: slice) -> SamplingTensors:
+    """What ``filtered_probs`` and the noise read, for the rows in ``part``."""
+    return replace(
+        t,
+        temperatures=t.temperatures[part],
+        top_k=t.top_k[part],
+        top_p=t.top_p[part],
+        min_p=t.min_p[part],
+        seeds=t.seeds[part],
+        positions=t.positions[part],
+    )
+
+
 def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """The distribution each row samples from, after temperature and the top-k/top-p/min-p filters."""
     temperature = torch.where(t.temperatures == 0, torch.ones_like(t.temperatures), t.temperatures)
@@ -193,19 +232,24 @@ def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def _top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Filters ``logits`` (a tensor of the caller's own) in place: at most one vocabulary-sized
+    temporary besides the sort's."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    rank = torch.arange(vocab, device=logits.device)[None, :]
     if t.any_top_k:
         kth = sorted_logits.gather(1, (t.top_k.clamp(1, vocab) - 1)[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
     if t.any_top_p:
         probs = torch.softmax(sorted_logits, dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
+        before = probs.cumsum(dim=-1).sub_(probs)  # mass of strictly better tokens
+        del probs
         # top_p = 1 is off: rounding must not let the cumulative mass reach it early.
-        drop = (before >= t.top_p[:, None]) & (rank > 0) & (t.top_p[:, None] < 1.0)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        drop = before >= t.top_p[:, None]
+        del before
+        drop[:, 0] = False
+        drop &= (t.top_p < 1.0)[:, None]
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.fill_(float("-inf")).scatter_(1, order, sorted_logits)
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
