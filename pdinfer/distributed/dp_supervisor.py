@@ -21,6 +21,7 @@ from pdinfer.distributed.front_socket import FrontSocket
 from pdinfer.distributed.launcher import RankLauncher, visible_devices
 from pdinfer.distributed.messages import (
     AbortRequest,
+    AddAnswer,
     AddRequest,
     AgentHello,
     Ping,
@@ -38,6 +39,7 @@ from pdinfer.distributed.messages import (
 from pdinfer.distributed.replica_lb import ReplicaLoadBalancer
 from pdinfer.distributed.tracked import TrackedRequest
 from pdinfer.engine.client import EngineDeadError
+from pdinfer.engine.core import refusal_error
 from pdinfer.outputs import RequestDelta, SeqDelta
 
 if TYPE_CHECKING:
@@ -55,6 +57,7 @@ class _Rank:
     last_seen_s: float
     ready: bool = False
     stats: RankStats = field(default_factory=RankStats)
+    kv_address: str | None = None  # a CE rank's K/V port
 
 
 class GroupSupervisor:
@@ -65,6 +68,7 @@ class GroupSupervisor:
         self.ranks: list[_Rank] = []
         self.is_ready = False
         self.lb = ReplicaLoadBalancer(self.size)
+        self.num_finished = [0] * self.size  # requests each rank ended (all generations)
         self.pending: list[str] = []  # request ids waiting for the group, in arrival order
         self.agents: set[bytes] = set()
         self.failure = FailureCause(CAUSE_GRACE_S)
@@ -140,7 +144,9 @@ class GroupSupervisor:
             if message.generation != self.generation or not 0 <= message.rank < self.size:
                 continue  # from a generation that was already replaced
             self.ranks[message.rank].last_seen_s = time.monotonic()
-            if isinstance(message, StepReport):
+            if isinstance(message, AddAnswer):
+                self._on_answer(message)
+            elif isinstance(message, StepReport):
                 self.ranks[message.rank].stats = message.stats
                 for delta in message.outputs:
                     self._on_output(message.rank, delta)
@@ -197,11 +203,47 @@ class GroupSupervisor:
     # --- requests ------------------------------------------------------------------------------
     def _dispatch(self, tracked: TrackedRequest) -> None:
         num_tokens = len(tracked.prompt_token_ids)
-        rank = tracked.dp_rank if tracked.dp_rank is not None else self.lb.choose(num_tokens)
+        rank = tracked.dp_rank
+        if rank is None:
+            rank = self.lb.choose(num_tokens, exclude=tracked.refused_ranks)
         self.lb.assign(tracked.request_id, rank, num_tokens)
         tracked.rank = rank
         tracked.num_attempts += 1
-        self._send(rank, AddRequest(tracked.request_id, tracked.prompt, tracked.prompt_token_ids, tracked.params))
+        add = AddRequest(tracked.request_id, tracked.prompt, tracked.prompt_token_ids, tracked.params)
+        add.reservation = tracked.reservation
+        self._send(rank, add)
+
+    def _on_answer(self, message: AddAnswer) -> None:
+        """The rank's answer to an add. A reservation (a CE's) names this rank's K/V port, so
+        a request that handed one out is never retried on another generation. A rank without
+        room passes the request to the next least-loaded rank; when none has room, or for any
+        other refusal, the caller gets the refusal."""
+        tracked = self.front.requests.get(message.request_id)
+        if tracked is None or tracked.rank != message.rank:
+            return
+        if message.refused is None:
+            if message.answer is not None:
+                tracked.num_delivered += 1
+            self._answer(tracked, message.answer)
+            return
+        self.lb.release(tracked.request_id)
+        if message.refused == "no_room" and tracked.dp_rank is None:
+            tracked.refused_ranks.add(message.rank)
+            if len(tracked.refused_ranks) < self.size:
+                return self._dispatch(tracked)
+        del self.front.requests[tracked.request_id]
+        error = message.error or message.refused
+        if tracked.on_answer is not None:
+            return self._answer(tracked, refusal_error(message.refused, error))
+        self._deliver_final(tracked, RequestDelta(tracked.request_id, [], True, error), message.rank)
+
+    def _answer(self, tracked: TrackedRequest, value) -> None:
+        answer, tracked.on_answer = tracked.on_answer, None
+        if answer is not None:
+            try:
+                answer(value)
+            except RuntimeError:  # the caller's event loop is closed
+                pass
 
     def _on_output(self, rank: int, delta: RequestDelta) -> None:
         tracked = self.front.requests.get(delta.request_id)
@@ -213,8 +255,13 @@ class GroupSupervisor:
         if delta.finished:
             self.lb.release(delta.request_id)
             del self.front.requests[delta.request_id]
+            self.num_finished[rank] += 1
         elif tracked.num_output_tokens:
             self.lb.progress(delta.request_id, tracked.num_output_tokens)
+        self._deliver_final(tracked, delta, rank)
+
+    def _deliver_final(self, tracked: TrackedRequest, delta: RequestDelta, rank: int) -> None:
+        """Hand a delta to the consumer: as it is to a stream, else detokenized here."""
         if tracked.tracker is None:  # a stream: its consumer detokenizes
             self._deliver(tracked, delta)
             return
@@ -237,6 +284,7 @@ class GroupSupervisor:
 
     def _end(self, tracked: TrackedRequest, error: str, finish_reason: str = "abort") -> None:
         """The final delta of a request that ends at the front: every output still open ends."""
+        self._answer(tracked, EngineDeadError(error))  # a caller still waiting for the add
         n = int(tracked.params.get("n", 1))
         delta = RequestDelta(tracked.request_id, [SeqDelta(i, [], finish_reason=finish_reason) for i in range(n)])
         delta.finished, delta.error = True, error
@@ -283,6 +331,7 @@ class GroupSupervisor:
             requests = list(self.front.requests.values())
             self.front.requests.clear()
         for tracked in requests:
+            self._answer(tracked, EngineDeadError(str(error)))
             try:
                 tracked.sink(EngineDeadError(str(error)))
             except RuntimeError:
@@ -314,6 +363,9 @@ class GroupSupervisor:
 
     def _on_ready(self, message: RankReady) -> None:
         self.ranks[message.rank].ready = True
+        self.ranks[message.rank].kv_address = message.kv_address
+        if message.kv_address is not None:
+            logger.info("DP rank %d: K/V hand-offs arrive at %s", message.rank, message.kv_address)
         self.lb.set_capacity(message.rank, message.num_total_blocks * message.block_size)
         if all(r.ready for r in self.ranks):
             logger.info(
