@@ -180,7 +180,7 @@ class DPFront(EngineClient):
                 "rank": i,
                 "free_blocks": state.stats.num_free_blocks,
                 "total_blocks": state.stats.num_total_blocks,
-                "num_finished": sup.num_finished[i],
+                "num_finished": sup.book.num_finished[i],
                 "num_prefix_hit_tokens": state.stats.num_prefix_hit_tokens,
                 "num_handoffs": state.stats.num_handoffs,
                 "kv_address": state.kv_address,
