@@ -30,8 +30,8 @@ class EngineType(enum.Enum):
 
     @property
     def votes_on_step_type(self) -> bool:
-        """Its DP group's ranks vote on every step's type, so they may form a DP group behind
-        one front (NORMAL); PEs and CEs scale by running more of them behind the router."""
+        """Its DP group's ranks vote on every step's type (NORMAL): they step together, an
+        idle rank running companion empty steps. A PE's or CE's step type is its role's."""
         return self is EngineType.NORMAL
 
     @property

@@ -32,6 +32,9 @@ def test_load_balancer_scores_by_hand():
     lb.release("a")
     lb.release("b")
     assert lb.score(0) == lb.score(1) == 0
+    # a CE rank that had no room is passed over for that request, unless every rank had none
+    assert lb.choose(10, exclude={1}) == lb.choose(10, exclude={1}) == 0
+    assert lb.choose(10, exclude={0, 1}) in (0, 1)
 
 
 def test_the_killed_rank_is_named_the_cause_whatever_order_the_front_sees_events_in():

@@ -1,7 +1,12 @@
-"""``DPFront``: one NORMAL engine made of a DP group of rank processes, behind one front.
+"""``DPFront``: one engine made of a DP group of rank processes, behind one front.
 
-Requests enter the front once; a replica load balancer (``replica_lb``) picks a rank for each;
-outputs come back through the front, streaming included. The front presents ``AsyncEngine``'s
+Every role may be a group: NORMAL (the ranks vote on each step's type), and a PE or a CE (with
+expert parallelism the ranks step together; see ``dp_rank``). Requests enter the front once; a
+replica load balancer (``replica_lb``) picks a rank for each; outputs come back through the
+front, streaming included. The rank's answer to an add comes back too: for a CE, the
+reservation, which names that rank's own K/V port, so the PE pushes straight to the rank that
+holds the blocks (a rank without room passes the request to the next one). A PE's request
+carries its reservation to the rank that prefills it. The front presents ``AsyncEngine``'s
 interface (``add_request`` -> ``RequestStream``, ``generate``, ``abort``, ``stats``,
 ``is_healthy``, ``role``, ``scheduler_config``, ``tokenizer``, ``start``, ``shutdown``), so
 ``build_app`` serves it unchanged; ``submit`` is the thread-level entry ``DPEngineClient``
@@ -31,6 +36,7 @@ came up -- leaves the front dead (``is_healthy`` False, every request failed).
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import copy
 import dataclasses
@@ -42,6 +48,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from pdinfer import env
 from pdinfer.config import EngineArgs
@@ -91,11 +99,6 @@ class DPFront(EngineClient):
         from pdinfer.models.loader import load_tokenizer, resolve_model
         from pdinfer.models.spec import ModelSpec
 
-        if not engine_args.role.votes_on_step_type:
-            raise ValueError(
-                f"a DP group serves the NORMAL role (its ranks vote on each step's type); "
-                f"{engine_args.role.name} engines scale by running more of them behind the router"
-            )
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 (or None for no limit), got {max_waiting}")
         self.options = options or DPOptions()
@@ -158,9 +161,32 @@ class DPFront(EngineClient):
                 "num_prefix_hit_tokens",
                 "num_prefix_query_tokens",
                 "num_preemptions",
+                "num_aborted",
+                "num_handoffs",
+                "handoff_bytes",
+                "handoff_seconds",
+                "num_handoffs_failed",
             )
         }
         return EngineStats(**total, num_steps=max((s.num_steps for s in ranks), default=0))
+
+    def debug_ranks(self) -> list[dict[str, Any]]:
+        """Each rank's blocks, requests and K/V port (``/debug/kv``)."""
+        sup = self._supervisor
+        if sup is None:
+            return []
+        return [
+            {
+                "rank": i,
+                "free_blocks": state.stats.num_free_blocks,
+                "total_blocks": state.stats.num_total_blocks,
+                "num_finished": sup.book.num_finished[i],
+                "num_prefix_hit_tokens": state.stats.num_prefix_hit_tokens,
+                "num_handoffs": state.stats.num_handoffs,
+                "kv_address": state.kv_address,
+            }
+            for i, state in enumerate(list(sup.ranks))
+        ]
 
     def rank_stats(self) -> list[RankStats]:
         """The latest report of every rank (vote timings included), for benchmarks."""
@@ -217,10 +243,15 @@ class DPFront(EngineClient):
         final_only: bool = False,
         dp_rank: int | None = None,
         raw: bool = False,
+        reservation: dict[str, Any] | None = None,
+        on_answer: Callable[[Any], None] | None = None,
     ) -> None:
         """Add a request from any thread; its cumulative outputs (or an exception) go to
         ``sink``, called from the front's I/O thread (it must not block); ``raw``: the engine's
-        ``RequestDelta``s instead, undetokenized. ``dp_rank`` pins it to one rank."""
+        ``RequestDelta``s instead, undetokenized. ``dp_rank`` pins it to one rank.
+        ``reservation``: a PE's request, the CE's reservation as fields. ``on_answer``: called
+        once from the I/O thread with the rank's answer to the add (None, a CE's reservation
+        as fields, or the refusal as an exception); without it a refusal ends the request."""
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         params.verify()
@@ -231,8 +262,9 @@ class DPFront(EngineClient):
         values["seed"] = params.resolved_seed()
         tracker = None if raw else OutputTracker(request_id, text, token_ids, params, self._front_detokenizer)
         tracked = TrackedRequest(
-            request_id, text, token_ids, values, sink, tracker, final_only, dp_rank, time.monotonic()
+            request_id, text, token_ids, values, sink, tracker, final_only, dp_rank, time.monotonic(), reservation
         )
+        tracked.on_answer = on_answer
         with self.lock:
             sup = self._supervisor  # start() sets it with _thread
             if self.error is not None or self._stopped or self._thread is None or sup is None:
@@ -250,16 +282,35 @@ class DPFront(EngineClient):
         sup.wake()
 
     async def _submit(self, request_id: str, text, token_ids, params: SamplingParams, extra: dict):
+        from pdinfer.engine.pd_common import Reservation
+
         stream = self._streams[request_id]
+        loop = stream.loop
+        answer = loop.create_future()
 
         def sink(item) -> None:
-            stream.loop.call_soon_threadsafe(stream.push, item)  # RuntimeError: the loop is closed
+            loop.call_soon_threadsafe(stream.push, item)  # RuntimeError: the loop is closed
+
+        def on_answer(value) -> None:
+            loop.call_soon_threadsafe(_settle, answer, value)
 
         dp_rank = extra.pop("dp_rank", None)
+        reservation = extra.pop("reservation", None)
         if extra:
             raise ValueError(f"unknown request options: {sorted(extra)}")
+        fields = None if reservation is None else msgspec.to_builtins(reservation)
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
-        self.submit(request_id, prompt, params, sink, dp_rank=dp_rank, raw=True)
+        self.submit(
+            request_id, prompt, params, sink, dp_rank=dp_rank, raw=True, reservation=fields, on_answer=on_answer
+        )
+        try:
+            value = await answer  # the rank's: a CE's reservation names its own K/V port
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        if isinstance(value, BaseException):
+            raise value
+        return None if value is None else msgspec.convert(value, Reservation)
 
     def stop_seqs(self, items: list[tuple[str, int]]) -> None:
         with self.lock:
@@ -306,3 +357,12 @@ class DPFront(EngineClient):
         if self._thread is None:
             return "the DP front is not started"
         return "the DP front is shut down"
+
+
+def _settle(answer: asyncio.Future, value) -> None:
+    if answer.done():  # the caller went away
+        return
+    if isinstance(value, BaseException):
+        answer.set_exception(value)
+    else:
+        answer.set_result(value)

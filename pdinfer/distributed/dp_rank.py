@@ -1,17 +1,26 @@
-"""One rank of a NORMAL DP group: ``python -m pdinfer.distributed.dp_rank '<RankConfig JSON>'``.
+"""One rank of a DP group: ``python -m pdinfer.distributed.dp_rank '<RankConfig JSON>'``.
 
-Each rank runs its own ``LLMEngine`` and step loop; the front (``dp_front``) starts the ranks,
-sends them requests and reads back their outputs over ZeroMQ.
+Each rank runs its own engine of the group's role (``build_engine``: a NORMAL engine, a PE or
+a CE) and step loop; the front (``dp_front``) starts the ranks, sends them requests and reads
+back their answers and outputs over ZeroMQ. A CE rank listens on a K/V port of its own: the
+reservations it makes name that port, so a PE pushes to the rank that reserved.
 
-Lockstep. Every loop iteration starts with one MIN all-reduce of [group idle?, keep going?]:
-- if any rank has work, every rank calls ``engine.step()`` (whose scheduler votes on the step
-  type with its own collectives; a rank with nothing runs the companion empty step);
+Lockstep (a NORMAL group, whose scheduler votes, and any group with expert parallelism, whose
+every step meets the other ranks in each MoE layer's all-to-all). Every loop iteration starts
+with one MIN all-reduce of [group idle?, no step anywhere?, keep going?]:
+- if any rank has a step to run, every rank calls ``engine.step_deltas()`` (a NORMAL
+  scheduler votes on the step type with its own collectives; a rank with nothing runs an empty
+  step, whose forward still takes part in every all-to-all);
+- if no rank has a step but some wait for another engine (a CE's reservation waiting for its
+  K/V, a PE's hand-off waiting for its ack), those ranks take what arrived (``poll_peers``)
+  and every rank waits a moment: no empty forwards while the group only waits;
 - if no rank has work, every rank sleeps -- a back-off that doubles up to ``max_idle_sleep_ms``
   and wakes early when the front sends something -- so an idle group burns no CPU;
 - if any rank was asked to stop (the front said so, or went silent), all stop at the same
   iteration, so nobody is left waiting in a collective.
 A collective that fails (a peer died, or exceeded the group timeout) ends this process with an
-error report to the front, which restarts the group.
+error report to the front, which restarts the group. Without lockstep (PE or CE replicas with
+no expert parallelism) each rank runs the same loop on its own values.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import zmq
 from pdinfer import env as pdinfer_env
 from pdinfer.distributed.messages import (
     AbortRequest,
+    AddAnswer,
     AddRequest,
     Ping,
     RankConfig,
@@ -47,6 +57,7 @@ from pdinfer.outputs import RequestDelta
 logger = logging.getLogger("pdinfer")
 
 HEARTBEAT_INTERVAL_S = 0.5
+PEER_WAIT_MS = 2.0  # the longest nap while a rank waits for another engine (K/V, an ack)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -82,9 +93,16 @@ class FrontChannel:
         self._socket.close()
 
 
+def needs_lockstep(engine) -> bool:
+    """Whether the ranks must take every loop iteration together: a NORMAL scheduler's vote is
+    a collective, and so is each MoE layer of an expert-parallel step."""
+    return engine.engine_type.votes_on_step_type or engine.moe_config.expert_parallel_size > 1
+
+
 class RankLoop:
     def __init__(self, cfg: RankConfig, engine, group, channel: FrontChannel):
         self.cfg, self.engine, self.group, self.channel = cfg, engine, group, channel
+        self.lockstep = group.size > 1 and needs_lockstep(engine)
         self.stopping = False
         self.last_front_message_s = time.monotonic()
         self.last_report_s = 0.0
@@ -99,18 +117,25 @@ class RankLoop:
                 logger.error("the DP front has been silent for %.0f s: stopping", self.cfg.front_timeout_s)
                 self.stopping = True
             busy = self.engine.has_unfinished_requests()
-            group_idle, keep_going = self.group.all_reduce_min([0 if busy else 1, 0 if self.stopping else 1])
+            steps = self.engine.has_step_work()
+            group_idle, no_steps, keep_going = self._agree([not busy, not steps, not self.stopping])
             if not keep_going:
                 return
-            if group_idle:
+            if no_steps:  # nobody has a step to run; some ranks may wait for another engine
+                outputs = self.engine.poll_peers() if busy else []
                 idle_rounds += 1
-                sleep_ms = min(self.cfg.max_idle_sleep_ms, 0.25 * 2 ** min(idle_rounds, 16))
-                self._report([])
+                cap_ms = self.cfg.max_idle_sleep_ms if group_idle else PEER_WAIT_MS
+                sleep_ms = min(cap_ms, 0.25 * 2 ** min(idle_rounds, 16))
+                self._report(outputs)
                 continue
             sleep_ms, idle_rounds = 0.0, 0
             outputs = self.engine.step_deltas()
             self.num_steps += 1
             self._report(outputs)
+
+    def _agree(self, flags: list[bool]) -> list[int]:
+        values = [int(flag) for flag in flags]
+        return self.group.all_reduce_min(values) if self.lockstep else values
 
     def _apply(self, message) -> None:
         self.last_front_message_s = time.monotonic()
@@ -126,13 +151,23 @@ class RankLoop:
             raise RuntimeError(f"unexpected message from the DP front: {message!r}")
 
     def _add(self, message: AddRequest) -> None:
+        from pdinfer.engine.core import refusal_kind
+        from pdinfer.engine.pd_common import Reservation
         from pdinfer.sampling_params import SamplingParams
 
+        cfg, request_id = self.cfg, message.request_id
         prompt = {"prompt": message.prompt, "prompt_token_ids": message.prompt_token_ids}
         try:
-            self.engine.add_request(message.request_id, prompt, SamplingParams(**message.params))
-        except (ValueError, TypeError) as exc:  # the front validated; report it, keep serving
-            self._report([RequestDelta(message.request_id, [], True, str(exc))])
+            reservation = None if message.reservation is None else msgspec.convert(message.reservation, Reservation)
+            answer = self.engine.admit(request_id, prompt, SamplingParams(**message.params), reservation=reservation)
+        except Exception as exc:  # the front validated; a refusal is reported, and we keep serving
+            kind = refusal_kind(exc)
+            if kind is None:
+                raise
+            self.channel.send(AddAnswer(cfg.rank, cfg.generation, request_id, refused=kind, error=str(exc)))
+            return
+        answer = None if answer is None else msgspec.to_builtins(answer)
+        self.channel.send(AddAnswer(cfg.rank, cfg.generation, request_id, answer=answer))
 
     def _report(self, outputs: list[RequestDelta]) -> None:
         now = time.monotonic()
@@ -144,6 +179,7 @@ class RankLoop:
     def stats(self) -> RankStats:
         sched, blocks = self.engine.scheduler, self.engine.block_manager
         eplb = self.engine.eplb.stats if self.engine.eplb is not None else None
+        handoffs = getattr(self.engine, "handoff_stats", None) or {}  # a PE's
         return RankStats(
             num_waiting=len(sched.waiting),
             num_running=len(sched.running),
@@ -161,12 +197,17 @@ class RankLoop:
             allreduce_ns=self.group.total_ns,
             num_expert_rearrangements=eplb.num_rearrangements if eplb else 0,
             num_expert_slots_received=eplb.num_slots_received if eplb else 0,
+            num_aborted=self.engine.num_aborted,
+            num_handoffs=handoffs.get("count", 0),
+            handoff_bytes=handoffs.get("bytes", 0),
+            handoff_seconds=handoffs.get("seconds", 0.0),
+            num_handoffs_failed=handoffs.get("failed", 0),
         )
 
 
 def run_rank(cfg: RankConfig) -> int:
     from pdinfer.distributed.dp_group import TorchDPGroup
-    from pdinfer.engine.llm_engine import LLMEngine
+    from pdinfer.engine.core import build_engine
 
     identity = f"rank{cfg.rank}.gen{cfg.generation}".encode()
     channel = FrontChannel(cfg.front_address, identity)
@@ -181,11 +222,11 @@ def run_rank(cfg: RankConfig) -> int:
             backend=cfg.backend,
             timeout_s=cfg.timeout_s,
         )
-        engine = LLMEngine(engine_args_from_dict(cfg.engine_args), dp_group=group)
+        engine = build_engine(rank_engine_args(cfg), dp_group=group)
         group.join(cfg.startup_timeout_s, device=engine.device)
-        channel.send(
-            RankReady(cfg.rank, cfg.generation, os.getpid(), engine.num_blocks, engine.cache_config.block_size)
-        )
+        kv_address = getattr(engine, "kv_address", None)  # a CE's
+        block_size = engine.cache_config.block_size
+        channel.send(RankReady(cfg.rank, cfg.generation, os.getpid(), engine.num_blocks, block_size, kv_address))
         RankLoop(cfg, engine, group, channel).run()
     except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
         logger.error("DP rank %d failed: %s", cfg.rank, exc, exc_info=not _is_peer_failure(exc))
@@ -196,6 +237,17 @@ def run_rank(cfg: RankConfig) -> int:
     group.close()
     channel.close()
     return 0
+
+
+def rank_engine_args(cfg: RankConfig):
+    """The group's engine settings for this rank: a fixed K/V port (``--kv-port P``) becomes
+    P + rank, so each CE rank listens on a port of its own."""
+    values = dict(cfg.engine_args)
+    kv = dict(values.get("kv_transfer") or {})
+    if kv.get("port"):
+        kv["port"] = int(kv["port"]) + cfg.rank
+        values["kv_transfer"] = kv
+    return engine_args_from_dict(values)
 
 
 def _is_peer_failure(exc: BaseException) -> bool:

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 import zmq
 
 from pdinfer.distributed.dp_group import default_backend, host_store
+from pdinfer.distributed.dp_requests import RequestBook
 from pdinfer.distributed.failure_cause import FailureCause
 from pdinfer.distributed.front_socket import FrontSocket
 from pdinfer.distributed.launcher import RankLauncher, visible_devices
 from pdinfer.distributed.messages import (
-    AbortRequest,
-    AddRequest,
+    AddAnswer,
     AgentHello,
     Ping,
     RankConfig,
@@ -35,10 +35,7 @@ from pdinfer.distributed.messages import (
     StopSeq,
     engine_args_to_dict,
 )
-from pdinfer.distributed.replica_lb import ReplicaLoadBalancer
-from pdinfer.distributed.tracked import TrackedRequest
 from pdinfer.engine.client import EngineDeadError
-from pdinfer.outputs import RequestDelta, SeqDelta
 
 if TYPE_CHECKING:
     from pdinfer.distributed.dp_front import DPFront
@@ -55,6 +52,7 @@ class _Rank:
     last_seen_s: float
     ready: bool = False
     stats: RankStats = field(default_factory=RankStats)
+    kv_address: str | None = None  # a CE rank's K/V port
 
 
 class GroupSupervisor:
@@ -64,7 +62,7 @@ class GroupSupervisor:
         self.generation = -1
         self.ranks: list[_Rank] = []
         self.is_ready = False
-        self.lb = ReplicaLoadBalancer(self.size)
+        self.book = RequestBook(front, self.size, self.options.max_attempts, self._send)
         self.pending: list[str] = []  # request ids waiting for the group, in arrival order
         self.agents: set[bytes] = set()
         self.failure = FailureCause(CAUSE_GRACE_S)
@@ -120,7 +118,7 @@ class GroupSupervisor:
             self._go_dead(f"the DP front's I/O thread failed: {exc!r}")
         finally:
             self.launcher.kill()
-            self._fail_all(self.front.error or EngineDeadError("the DP front was shut down"))
+            self.book.fail_all(self.front.error or EngineDeadError("the DP front was shut down"))
             self.front.ready_event.set()
             self.socket.close()
 
@@ -140,10 +138,12 @@ class GroupSupervisor:
             if message.generation != self.generation or not 0 <= message.rank < self.size:
                 continue  # from a generation that was already replaced
             self.ranks[message.rank].last_seen_s = time.monotonic()
-            if isinstance(message, StepReport):
+            if isinstance(message, AddAnswer):
+                self.book.on_answer(message)
+            elif isinstance(message, StepReport):
                 self.ranks[message.rank].stats = message.stats
                 for delta in message.outputs:
-                    self._on_output(message.rank, delta)
+                    self.book.on_output(message.rank, delta)
             elif isinstance(message, RankReady):
                 self._on_ready(message)
             elif isinstance(message, RankFailed):
@@ -158,7 +158,7 @@ class GroupSupervisor:
             if command[0] == "add":
                 self.pending.append(command[1])
             elif command[0] == "abort":
-                self._abort(command[1])
+                self.book.abort(command[1])
             elif command[0] == "stop_seq":
                 tracked = self.front.requests.get(command[1])
                 if tracked is not None and tracked.rank is not None:
@@ -170,7 +170,7 @@ class GroupSupervisor:
             for request_id in pending:
                 tracked = self.front.requests.get(request_id)
                 if tracked is not None and tracked.rank is None:
-                    self._dispatch(tracked)
+                    self.book.dispatch(tracked)
 
     def _watch(self, now: float) -> None:
         for rank, generation, returncode in self.launcher.poll_exited():
@@ -193,100 +193,6 @@ class GroupSupervisor:
         reason = None if self._stopping else self.failure.take(now)
         if reason is not None:
             self._restart(reason)
-
-    # --- requests ------------------------------------------------------------------------------
-    def _dispatch(self, tracked: TrackedRequest) -> None:
-        num_tokens = len(tracked.prompt_token_ids)
-        rank = tracked.dp_rank if tracked.dp_rank is not None else self.lb.choose(num_tokens)
-        self.lb.assign(tracked.request_id, rank, num_tokens)
-        tracked.rank = rank
-        tracked.num_attempts += 1
-        self._send(rank, AddRequest(tracked.request_id, tracked.prompt, tracked.prompt_token_ids, tracked.params))
-
-    def _on_output(self, rank: int, delta: RequestDelta) -> None:
-        tracked = self.front.requests.get(delta.request_id)
-        if tracked is None or tracked.rank != rank:
-            return
-        tracked.num_output_tokens += sum(len(s.token_ids) for s in delta.seqs)
-        if tracked.num_output_tokens and tracked.first_token_s is None:
-            tracked.first_token_s = time.monotonic()
-        if delta.finished:
-            self.lb.release(delta.request_id)
-            del self.front.requests[delta.request_id]
-        elif tracked.num_output_tokens:
-            self.lb.progress(delta.request_id, tracked.num_output_tokens)
-        if tracked.tracker is None:  # a stream: its consumer detokenizes
-            self._deliver(tracked, delta)
-            return
-        for index in tracked.tracker.apply(delta):  # detokenized here
-            self._send(rank, StopSeq(delta.request_id, index))
-        if delta.finished or not tracked.final_only:
-            output = tracked.tracker.output()
-            output.extra["dp_rank"] = rank  # which rank ran it (tests, logs)
-            self._deliver(tracked, output)
-
-    def _abort(self, request_id: str) -> None:
-        tracked = self.front.requests.get(request_id)
-        if tracked is None:
-            return
-        if tracked.rank is not None:
-            self._send(tracked.rank, AbortRequest(request_id))  # its final output comes back
-            return
-        del self.front.requests[request_id]
-        self._end(tracked, "aborted")
-
-    def _end(self, tracked: TrackedRequest, error: str, finish_reason: str = "abort") -> None:
-        """The final delta of a request that ends at the front: every output still open ends."""
-        n = int(tracked.params.get("n", 1))
-        delta = RequestDelta(tracked.request_id, [SeqDelta(i, [], finish_reason=finish_reason) for i in range(n)])
-        delta.finished, delta.error = True, error
-        if tracked.tracker is None:
-            self._deliver(tracked, delta)
-        else:
-            tracked.tracker.apply(delta)
-            self._deliver(tracked, tracked.tracker.output())
-
-    def _deliver(self, tracked: TrackedRequest, item) -> None:
-        try:
-            tracked.sink(item)
-        except RuntimeError:  # the consumer's event loop is closed: nobody listens any more
-            if tracked.request_id in self.front.requests:
-                self._abort(tracked.request_id)
-            return
-        tracked.num_delivered += 1
-
-    def _settle_requests(self, reason: str, now: float) -> int:
-        """After a failed generation: queue again (oldest first) the requests that ran on it and
-        streamed nothing, end the others with an error. Returns how many were queued again."""
-        retry = []
-        for tracked in list(self.front.requests.values()):
-            if tracked.rank is None:
-                continue
-            if tracked.num_delivered == 0 and tracked.num_attempts < self.options.max_attempts:
-                tracked.restart()
-                retry.append(tracked)
-                continue
-            why = (
-                "it had streamed output already, so it was not retried"
-                if tracked.num_delivered
-                else f"it failed on {tracked.num_attempts} attempts"
-            )
-            del self.front.requests[tracked.request_id]
-            error = f"the DP group failed while this request ran on rank {tracked.rank} ({reason}); {why}"
-            self._end(tracked, error, "error")
-        retry.sort(key=lambda t: t.arrival_s)
-        self.pending = [t.request_id for t in retry] + self.pending
-        return len(retry)
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self.front.lock:
-            requests = list(self.front.requests.values())
-            self.front.requests.clear()
-        for tracked in requests:
-            try:
-                tracked.sink(EngineDeadError(str(error)))
-            except RuntimeError:
-                pass
 
     # --- the group -----------------------------------------------------------------------------
     def _send(self, rank: int, message) -> None:
@@ -314,7 +220,10 @@ class GroupSupervisor:
 
     def _on_ready(self, message: RankReady) -> None:
         self.ranks[message.rank].ready = True
-        self.lb.set_capacity(message.rank, message.num_total_blocks * message.block_size)
+        self.ranks[message.rank].kv_address = message.kv_address
+        if message.kv_address is not None:
+            logger.info("DP rank %d: K/V hand-offs arrive at %s", message.rank, message.kv_address)
+        self.book.lb.set_capacity(message.rank, message.num_total_blocks * message.block_size)
         if all(r.ready for r in self.ranks):
             logger.info(
                 "DP group of %d ranks ready (generation %d) after %.1f s",
@@ -339,9 +248,10 @@ class GroupSupervisor:
         self.launcher.kill()
         self.is_ready = False
         self.front.ready_event.clear()
-        self.lb.reset()
+        self.book.lb.reset()
         now = time.monotonic()
-        num_retried = self._settle_requests(reason, now)
+        retry = self.book.settle(reason)
+        self.pending = retry + self.pending
         self._restarts = [t for t in self._restarts if now - t < self.options.restart_window_s]
         if not self._ever_ready:
             return self._go_dead(f"the DP group failed to start: {reason}")
@@ -351,7 +261,7 @@ class GroupSupervisor:
                 f"{self.options.restart_window_s:g} s; last: {reason}"
             )
         self._restarts.append(now)
-        logger.warning("restarting the DP group (%d requests queued again)", num_retried)
+        logger.warning("restarting the DP group (%d requests queued again)", len(retry))
         self._start_generation()
 
     def _go_dead(self, reason: str) -> None:

@@ -2,9 +2,13 @@
 
 Front -> rank: ``AddRequest``, ``AbortRequest``, ``StopSeq`` (a stop string the front found),
 ``StopRanks``, ``Ping``.
-Rank -> front: ``RankReady``, ``StepReport`` (the engine's ``RequestDelta``s -- new token ids,
-never text -- plus load, doubling as the heartbeat), ``RankFailed``. Agent <-> front (ranks on
-another host): ``AgentHello``, ``StartGeneration``, ``RankExited``.
+Rank -> front: ``RankReady``, ``AddAnswer`` (the engine's answer to an add: a CE's reservation,
+or a refusal), ``StepReport`` (the engine's ``RequestDelta``s -- new token ids, never text --
+plus load, doubling as the heartbeat), ``RankFailed``. Agent <-> front (ranks on another host):
+``AgentHello``, ``StartGeneration``, ``RankExited``.
+
+A reservation crosses as plain fields (``msgspec.to_builtins`` of the engine's ``Reservation``):
+this module sits below the engine and names none of its types.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt: str | None
     prompt_token_ids: list[int]
     params: dict[str, Any]  # SamplingParams fields
+    reservation: dict[str, Any] | None = None  # a PE rank's: where the CE wants the K/V
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -62,6 +67,11 @@ class RankStats(msgspec.Struct):
     allreduce_ns: int = 0  # time spent in them, waiting for the slowest rank included
     num_expert_rearrangements: int = 0  # EPLB (MoE models with expert parallelism or replicas)
     num_expert_slots_received: int = 0  # expert weights that came from another rank
+    num_aborted: int = 0
+    num_handoffs: int = 0  # a PE rank's confirmed K/V hand-offs (``EngineStats``' fields)
+    handoff_bytes: int = 0
+    handoff_seconds: float = 0.0
+    num_handoffs_failed: int = 0
 
 
 class RankReady(msgspec.Struct, tag="ready"):
@@ -70,6 +80,19 @@ class RankReady(msgspec.Struct, tag="ready"):
     pid: int
     num_total_blocks: int
     block_size: int
+    kv_address: str | None = None  # a CE rank's K/V port: its reservations name it
+
+
+class AddAnswer(msgspec.Struct, tag="answer"):
+    """The engine took the request (``refused`` None; ``answer``: a CE's reservation) or
+    refused it (``refused``: "invalid", "no_room" or "handshake", as the engine core says)."""
+
+    rank: int
+    generation: int
+    request_id: str
+    answer: dict[str, Any] | None = None
+    refused: str | None = None
+    error: str | None = None
 
 
 class StepReport(msgspec.Struct, tag="step"):
@@ -135,7 +158,7 @@ def params_to_dict(params: SamplingParams) -> dict[str, Any]:
 
 
 ToRank = AddRequest | AbortRequest | StopSeq | StopRanks | Ping | StartGeneration
-ToFront = RankReady | StepReport | RankFailed | AgentHello | RankExited
+ToFront = RankReady | AddAnswer | StepReport | RankFailed | AgentHello | RankExited
 
 _encoder = msgspec.json.Encoder()
 _to_rank = msgspec.json.Decoder(ToRank)

@@ -69,9 +69,12 @@ class ReplicaLoadBalancer:
             + self.request_weight_tokens * load.num_running
         )
 
-    def choose(self, num_prompt_tokens: int) -> int:
+    def choose(self, num_prompt_tokens: int, exclude: set[int] | frozenset[int] = frozenset()) -> int:
+        """The rank for a new request; ``exclude``: ranks that refused it (a CE rank with no
+        room), passed over unless every rank is in it."""
         n = len(self.loads)
         order = [(self._last + 1 + i) % n for i in range(n)]  # round robin among equals
+        order = [r for r in order if r not in exclude] or order
         roomy = [r for r in order if self._fits(r, num_prompt_tokens)]
         rank = min(roomy or order, key=self.score)  # min keeps the first of equal scores
         self._last = rank

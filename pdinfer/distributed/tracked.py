@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import queue
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdinfer.engine.output_tracker import OutputTracker
@@ -24,7 +24,12 @@ class TrackedRequest:
     final_only: bool  # deliver only the final output (so the request can be retried to the end)
     dp_rank: int | None  # placement hint
     arrival_s: float
+    reservation: dict[str, Any] | None = None  # a PE's request: the CE's reservation, as fields
+    # called once with the engine's answer to the add (None, a reservation's fields, or an
+    # exception); None: nobody waits for it (a refusal then ends the request like an error)
+    on_answer: Callable[[Any], None] | None = None
     rank: int | None = None  # where it runs now; None while it waits at the front
+    refused_ranks: set[int] = field(default_factory=set)  # ranks that had no room for it
     num_output_tokens: int = 0
     num_delivered: int = 0  # items handed to the consumer: retried only while this is 0
     num_attempts: int = 0
@@ -33,6 +38,7 @@ class TrackedRequest:
     def restart(self) -> None:
         """Back to the front's queue, as if never sent (nothing reached the consumer)."""
         self.rank = None
+        self.refused_ranks = set()
         self.num_output_tokens = 0
         self.first_token_s = None
         if self.tracker is not None:

@@ -151,6 +151,11 @@ class EngineClient:
         """Waiting in the engine plus adds it has not answered yet."""
         return self._stats.num_waiting + self._num_adding
 
+    def debug_ranks(self) -> list[dict]:
+        """Per rank of a DP group: its blocks, requests and K/V port (``/debug/kv``); [] for
+        one engine."""
+        return []
+
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         """Before serving (outside the event loop)."""

@@ -108,6 +108,10 @@ class CompletionEngine(LLMEngine):
     def has_unfinished_requests(self) -> bool:
         return super().has_unfinished_requests() or bool(self.reservations) or bool(self.quarantined)
 
+    def poll_peers(self):
+        self._accept_arrivals()  # an accepted arrival is step work from now on
+        return super().poll_peers()
+
     def abort_request(self, request_id: str) -> None:
         for transfer_id, seq in list(self.reservations.items()):
             if seq.request_id == request_id:

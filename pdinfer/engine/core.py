@@ -51,19 +51,20 @@ class CoreConfig(msgspec.Struct):
     parent_pid: int  # exit at once when this process is no longer our parent
 
 
-def build_engine(engine_args):
-    """The engine class of the role: a PE or CE takes part in the P/D hand-off."""
+def build_engine(engine_args, dp_group=None):
+    """The engine class of the role: a PE or CE takes part in the P/D hand-off. ``dp_group``:
+    the rank's DP group, when the engine is one rank of a group (``distributed/dp_rank``)."""
     if engine_args.role is EngineType.PROMPT:
         from pdinfer.engine.prefill_engine import PrefillEngine
 
-        return PrefillEngine(engine_args)
+        return PrefillEngine(engine_args, dp_group)
     if engine_args.role is EngineType.COMPLETION:
         from pdinfer.engine.completion_engine import CompletionEngine
 
-        return CompletionEngine(engine_args)
+        return CompletionEngine(engine_args, dp_group)
     from pdinfer.engine.llm_engine import LLMEngine
 
-    return LLMEngine(engine_args)
+    return LLMEngine(engine_args, dp_group)
 
 
 def refusal_kind(exc: BaseException) -> str | None:
@@ -78,6 +79,19 @@ def refusal_kind(exc: BaseException) -> str | None:
     if isinstance(exc, HandshakeError):
         return "handshake"
     return None
+
+
+def refusal_error(kind: str, message: str) -> BaseException:
+    """The exception a client raises for a refused add (``refusal_kind``'s inverse)."""
+    if kind == "no_room":
+        from pdinfer.engine.completion_engine import NoRoomError
+
+        return NoRoomError(message)
+    if kind == "handshake":
+        from pdinfer.kv_transfer.connector import HandshakeError
+
+        return HandshakeError(message)
+    return ValueError(message)
 
 
 class EngineCore:

@@ -347,6 +347,18 @@ class LLMEngine:
         inflight = self._inflight is not None and not self._inflight.plan.is_empty
         return bool(self.scheduler.has_unfinished_seqs() or inflight or self._ready_outputs)
 
+    def has_step_work(self) -> bool:
+        """Whether a step would run something. A P/D role may have requests that only wait for
+        another engine (a CE's reservations, a PE's acks): ``poll_peers`` serves those."""
+        return LLMEngine.has_unfinished_requests(self)
+
+    def poll_peers(self) -> list[RequestDelta]:
+        """Between steps, take what other engines sent (a P/D role's K/V arrivals, acks and
+        handshakes) without launching a step; returns the outputs that produced. A DP rank
+        calls it while no rank of its group has a step to run."""
+        outputs, self._ready_outputs = self._ready_outputs, []
+        return outputs
+
     def get_num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
@@ -447,9 +459,10 @@ class LLMEngine:
     def _launch(self, plan: SchedulerOutputs, in_flight: InFlight | None = None) -> InFlight | None:
         """Build and launch the plan's step. ``in_flight``: the step still in flight, which the
         new step's grammar masks wait for (``structured.DeferredMasks``)."""
-        # In a DP group a rank's companion empty prefill step still runs an (empty) forward,
-        # so every rank keeps the same beat.
-        companion = plan.prompt_run and self.scheduler.dp_group.size > 1
+        # In a voting DP group a rank's companion empty prefill step still runs an (empty)
+        # forward, so every rank keeps the same beat.
+        dp_group = self.scheduler.dp_group
+        companion = plan.prompt_run and dp_group.size > 1 and self.engine_type.votes_on_step_type
         # With expert parallelism every step meets the other ranks in every MoE layer's
         # all-to-all, so a rank with nothing to run still runs an empty forward.
         companion = companion or self.model_runner.dispatcher is not None

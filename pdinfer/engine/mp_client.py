@@ -29,7 +29,7 @@ import zmq.asyncio
 
 from pdinfer import env
 from pdinfer.engine.client import EngineClient, EngineDeadError, EngineLimits
-from pdinfer.engine.core import CoreConfig
+from pdinfer.engine.core import CoreConfig, refusal_error
 from pdinfer.engine.core_messages import (
     AbortRequests,
     Accepted,
@@ -231,7 +231,7 @@ class MPEngineClient(EngineClient):
             elif isinstance(message, Accepted):
                 self._settle(message.request_id, message.reservation)
             elif isinstance(message, Refused):
-                self._settle(message.request_id, _refusal(message))
+                self._settle(message.request_id, refusal_error(message.kind, message.message))
             elif isinstance(message, CoreFailed):
                 self._die(EngineDeadError(message.error))
                 return
@@ -262,15 +262,3 @@ class MPEngineClient(EngineClient):
             if not answer.done():
                 answer.set_exception(EngineDeadError(str(error)))
         self._fail_all(error)
-
-
-def _refusal(message: Refused) -> BaseException:
-    if message.kind == "no_room":
-        from pdinfer.engine.completion_engine import NoRoomError
-
-        return NoRoomError(message.message)
-    if message.kind == "handshake":
-        from pdinfer.kv_transfer.connector import HandshakeError
-
-        return HandshakeError(message.message)
-    return ValueError(message.message)

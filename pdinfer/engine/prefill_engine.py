@@ -192,6 +192,11 @@ class PrefillEngine(LLMEngine):
     def has_unfinished_requests(self) -> bool:
         return super().has_unfinished_requests() or bool(self.handoffs) or bool(self._awaiting_peer)
 
+    def poll_peers(self):
+        self._collect_acks()  # an ack frees blocks and ends the request
+        self._collect_handshakes()  # a shaken hand enqueues its requests: step work
+        return super().poll_peers()
+
     # --- the hand-off ------------------------------------------------------------------------------
     def _push(self, seq: Sequence, now: float) -> None:
         reservation: Reservation = seq.handoff.reservation

@@ -241,11 +241,15 @@ class OpenAIServer:
 
     async def debug_kv(self) -> dict:
         stats = self.engine.stats
-        return {
+        answer: dict = {
             "free_blocks": stats.num_free_blocks,
             "total_blocks": stats.num_total_blocks,
             "num_aborted": stats.num_aborted,
         }
+        ranks = self.engine.debug_ranks()
+        if ranks:  # a DP group: each rank's own
+            answer["ranks"] = ranks
+        return answer
 
 
 def build_app(

@@ -2,7 +2,9 @@
 
 Starts ``--prefill N`` PROMPT engines, ``--decode M`` COMPLETION engines and ``--normal K`` NORMAL
 engines (``pdinfer serve --role ...`` on free local ports, each with the engine flags given here;
-on a host with several GPUs, one GPU per engine in turn, see ``engine_devices``),
+on a host with several GPUs, one GPU per engine in turn, see ``engine_devices``). Each PE or CE
+may be a DP group with expert parallelism, of sizes of its own (``--prefill-dp/--prefill-ep``,
+``--decode-dp/--decode-ep``: small EP on prefill, wide EP on decode);
 then ``pdinfer router`` in front of them; waits until the router sees every engine healthy and
 prints the URL. Each child runs in its own process group (and, on Linux, gets SIGTERM if this
 process dies). Ctrl-C or SIGTERM stops them all: SIGTERM to each group, SIGKILL to what is left
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdinfer import env
-from pdinfer.cli_args import add_engine_args
+from pdinfer.cli_args import add_engine_args, positive_int
 from pdinfer.kv_transfer.cli_args import add_kv_transfer_args
 
 _STOP_GRACE_S = 15.0
@@ -74,6 +76,21 @@ def add_launch_parser(subparsers) -> None:
     p.add_argument("--prefill", type=int, default=1, help="PROMPT engines")
     p.add_argument("--decode", type=int, default=1, help="COMPLETION engines")
     p.add_argument("--normal", type=int, default=0, help="NORMAL engines (short prompts)")
+    for role, what in (("prefill", "PROMPT"), ("decode", "COMPLETION")):
+        p.add_argument(
+            f"--{role}-dp",
+            type=positive_int,
+            default=None,
+            help=f"each {what} engine is a DP group of this many ranks behind one front "
+            "(default: --data-parallel-size)",
+        )
+        p.add_argument(
+            f"--{role}-ep",
+            type=positive_int,
+            default=None,
+            help=f"expert-parallel size of each {what} engine's group, dividing its DP size "
+            "(default: --expert-parallel-size); PEs and CEs may differ",
+        )
     p.add_argument("--host", default="127.0.0.1", help="the router's bind address")
     p.add_argument("--port", type=int, default=8000, help="the router's port")
     p.add_argument("--api-key", default=None, help="the router requires it on /v1/*")
@@ -133,17 +150,31 @@ def engine_devices(device: str, num_engines: int, num_gpus: int | None = None) -
     return [f"cuda:{k % num_gpus}" for k in range(num_engines)]
 
 
+def role_args(args: argparse.Namespace, role: str) -> argparse.Namespace:
+    """``args`` with the role's own DP and EP sizes (``--prefill-dp`` and the like) in place of
+    the shared ``--data-parallel-size`` and ``--expert-parallel-size``."""
+    side = {"prompt": "prefill", "completion": "decode"}.get(role)
+    values = dict(vars(args))
+    for suffix, dest in (("dp", "data_parallel_size"), ("ep", "expert_parallel_size")):
+        own = getattr(args, f"{side}_{suffix}", None) if side else None
+        if own is not None:
+            values[dest] = own
+    return argparse.Namespace(**values)
+
+
 def _children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
     pdinfer = [sys.executable, "-m", "pdinfer.cli"]
-    flags = engine_flags(args)
+    roles = (("prompt", args.prefill), ("completion", args.decode), ("normal", args.normal))
     num_engines = args.prefill + args.decode + args.normal
-    if args.num_threads is None:  # engines on one machine share its cores
-        flags += ["--num-threads", str(max(1, (os.cpu_count() or 1) // num_engines))]
+    # engines on one machine share its cores: each rank of a DP group is a process of its own
+    num_ranks = sum(count * role_args(args, role).data_parallel_size for role, count in roles)
+    threads = ["--num-threads", str(max(1, (os.cpu_count() or 1) // num_ranks))] if args.num_threads is None else []
     devices = engine_devices(args.device, num_engines)
     engine_key = secrets.token_hex(32)  # the engines' API key: only the router knows it
     kv_env = {"PDINFER_KV_SECRET": args.kv_secret or secrets.token_hex(32), "PDINFER_API_KEY": engine_key}
     children: list[Child] = []
-    for role, count in (("prompt", args.prefill), ("completion", args.decode), ("normal", args.normal)):
+    for role, count in roles:
+        flags = engine_flags(role_args(args, role)) + threads
         for i in range(count):
             port = free_port()
             cmd = [*pdinfer, "serve", "--role", role, "--host", "127.0.0.1", "--port", str(port), *flags]

@@ -102,9 +102,16 @@ def run_serve(args: argparse.Namespace) -> int:
             return run_headless(args)
         if args.api_server_count > 1:
             raise SystemExit("--api-server-count > 1 serves one engine core; a DP group has its own front")
-        front = front_from_args(args, engine_args_from(args, role=args.role))
+        front = front_from_args(args, _engine_args(args))
         return _serve_in_process(args, front)
     return _serve_core(args)
+
+
+def _engine_args(args: argparse.Namespace):
+    engine_args = engine_args_from(args, role=args.role)
+    if engine_args.role.handoff_side is not None:  # a PE or CE (each CE rank: a K/V port of its own)
+        engine_args.kv_transfer = kv_transfer_from(args)
+    return engine_args
 
 
 def _serve_core(args: argparse.Namespace) -> int:
@@ -120,9 +127,7 @@ def _serve_core(args: argparse.Namespace) -> int:
     )
     from pdinfer.serving.api_server import build_app
 
-    engine_args = engine_args_from(args, role=args.role)
-    if engine_args.role.handoff_side is not None:
-        engine_args.kv_transfer = kv_transfer_from(args)
+    engine_args = _engine_args(args)
     sock = listening_socket(args.host, args.port)  # first: a taken port fails before the model loads
     try:
         core = start_engine_core(engine_args)
