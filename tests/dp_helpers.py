@@ -111,8 +111,8 @@ def step_logs(front: DPFront) -> list[list[tuple[str, int]]]:
     logs = []
     for rank in range(2):
         path = f"{front.step_log}.rank{rank}"
-        lines = open(path).read().split() if os.path.exists(path) else []
-        logs.append([(lines[i], int(lines[i + 1])) for i in range(0, len(lines), 2)])
+        lines = open(path).read().splitlines() if os.path.exists(path) else []
+        logs.append([(line.split()[0], int(line.split()[1])) for line in lines])  # type, sequences
     return logs
 
 

@@ -183,6 +183,7 @@ def test_tool_calls_named_required_auto_and_bad(client, server):
 
 def test_langchain_bind_tools_round_trip(server):
     tool_checks.check_langchain_round_trip(f"{server}/v1", API_KEY)
+    tool_checks.check_langchain_structured_output(f"{server}/v1", API_KEY)
 
 
 def test_logit_bias_equals_llm_with_the_same_bias(client, reference_llm):

@@ -251,6 +251,7 @@ def test_tool_calls_through_pe_and_ce(cluster):
     tool_checks.check_auto_reads_the_calls_the_model_writes(client)
     tool_checks.check_bad_tool_requests(client)
     tool_checks.check_langchain_round_trip(f"{cluster['router'].url}/v1", "unused")
+    tool_checks.check_langchain_structured_output(f"{cluster['router'].url}/v1", "unused")
     for server in (cluster["pe"], *cluster["ces"]):
         assert server.wait_blocks_back()["free_blocks"] == server.kv()["total_blocks"]
 

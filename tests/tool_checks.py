@@ -180,3 +180,20 @@ def check_langchain_round_trip(base_url: str, api_key: str) -> None:
     for chunk in bound.stream([HumanMessage("What is the weather in Paris?")]):
         merged = chunk if merged is None else merged + chunk
     assert [(c["name"], c["args"]) for c in merged.tool_calls] == [(call["name"], call["args"])]
+
+
+def check_langchain_structured_output(base_url: str, api_key: str) -> None:
+    """LangChain's ``with_structured_output``, both ways it asks: a JSON schema in
+    ``response_format`` and a forced function call. The answer must parse into the model class,
+    which validates it (pydantic is the reference)."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=12)
+        country: str = Field(max_length=12)
+
+    llm = ChatOpenAI(base_url=base_url, api_key=api_key, model=MODEL, temperature=0, max_tokens=60, max_retries=0)
+    for method in ("json_schema", "function_calling"):
+        answer = llm.with_structured_output(City, method=method).invoke("Name a city and its country.")
+        assert isinstance(answer, City), (method, answer)

@@ -1,4 +1,5 @@
-"""An observer of engine steps that appends each step's type and size to a file.
+"""An observer of engine steps that appends a line per step to a file: its type, its sequences,
+its tokens and the wall-clock time (seconds since the epoch) it was launched.
 
 Attached by ``LLMEngine`` when ``EngineArgs.step_log`` is set (``PDINFER_STEP_LOG``): the DP
 tests compare the files of a group's ranks line by line to check they took the same step types.
@@ -7,6 +8,7 @@ Observers see every scheduled plan just before it is launched; they must not cha
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -19,4 +21,4 @@ class StepLog:
 
     def __call__(self, plan: SchedulerOutputs) -> None:
         with open(self.path, "a") as f:
-            f.write(f"{plan.step_type} {len(plan.scheduled_seqs)}\n")
+            f.write(f"{plan.step_type} {len(plan.scheduled_seqs)} {plan.num_batched_tokens} {time.time():.6f}\n")
