@@ -66,9 +66,12 @@ class StepBuilder:
         start = end - num_tokens
         first_row = len(inp.input_ids)
         pending_ref = None
+        drafts = seq.draft_token_ids  # speculating: the last known token, then these
         for pos in range(start, end):
             if pos < len(seq.token_ids):
                 inp.input_ids.append(seq.token_ids[pos])
+            elif drafts:
+                inp.input_ids.append(drafts[pos - len(seq.token_ids)])
             else:
                 # Sampled by the step in flight; the runner reads it from that step's output.
                 pending_ref = self.last_sample[seq.seq_id]
@@ -80,6 +83,9 @@ class StepBuilder:
         inp.block_tables.append(list(seq.block_table))
         if not do_sample:
             return
+        if drafts:
+            self._add_draft_samples(inp, owners, seq, first_row, start)
+            return
         row = first_row + num_tokens - 1
         # n > 1: the prompt is computed once and sampled n times; outputs 1..n-1 become forks.
         copies = seq.sampling_params.n if (inp.is_prompt and seq.num_output_tokens == 1 and seq.index == 0) else 1
@@ -88,6 +94,19 @@ class StepBuilder:
             seed = fork_seed(seq.seed, copy)
             inp.samples.append(_sample_spec(seq, row, end, seed, pending_ref is not None, defer_masks))
             owners.append((seq, copy))
+
+    def _add_draft_samples(self, inp: StepInput, owners: list, seq: Sequence, first_row: int, start: int) -> None:
+        """Every row of a speculating sequence is sampled: row i samples the token at position
+        start + i + 1 as a plain decode step there would (same seed and position; penalties see
+        the drafts before it as output tokens)."""
+        self.last_sample.pop(seq.seq_id, None)  # its next step follows this one's processing
+        drafts = seq.draft_token_ids
+        for i in range(len(drafts) + 1):
+            spec = _sample_spec(seq, first_row + i, start + i + 1, seq.seed, False, False)
+            if spec.output_tokens is not None:
+                spec.output_tokens += drafts[:i]
+            inp.samples.append(spec)
+            owners.append((seq, 0))
 
     def forget(self, seq: Sequence) -> None:
         self.last_sample.pop(seq.seq_id, None)
