@@ -3,7 +3,7 @@
 The drafter, the draft pool and the acceptance rule live in ``core/spec_decode.py`` (host
 only). The scheduler reserves 1 + k K/V slots for a drafting sequence, the step builder samples
 all its rows, the output processor accepts and rolls back; the worker runs the step as a
-multi-token decode (the varlen attention path, ``StepInput.varlen``).
+decode step in which a speculating sequence is 1 + k rows, one per position (``StepBuilder``).
 """
 
 from __future__ import annotations

@@ -78,9 +78,20 @@ class StepBuilder:
                 inp.pending.append((len(inp.input_ids), *pending_ref))
                 inp.input_ids.append(-1)
             inp.positions.append(pos)
-        inp.query_lens.append(num_tokens)
-        inp.context_lens.append(end)
-        inp.block_tables.append(list(seq.block_table))
+        table = list(seq.block_table)
+        if drafts:
+            # A verifying step is a decode step: the sequence's 1 + k tokens are 1 + k rows of one
+            # query each, sharing its block table, each attending up to its own position (a
+            # step writes every row's K/V before any row attends). So the decode kernels (and
+            # the CPU decode stack) run it, and each row's logits are a plain decode step's.
+            for pos in range(start, end):
+                inp.query_lens.append(1)
+                inp.context_lens.append(pos + 1)
+                inp.block_tables.append(table)
+        else:
+            inp.query_lens.append(num_tokens)
+            inp.context_lens.append(end)
+            inp.block_tables.append(table)
         if not do_sample:
             return
         if drafts:

@@ -38,7 +38,7 @@ def build_attention_metadata(
         for pos in range(ctx - qlen, ctx):
             slot_rows.append(table[pos // block_size] * rows_per_block * block_size + pos % block_size)
     meta = AttentionMetadata(
-        is_prompt=inp.varlen,  # a decode step that verifies drafts attends as a prefill does
+        is_prompt=inp.is_prompt,
         slot_rows=torch.tensor(slot_rows, dtype=torch.int64, device=device),
         block_size=block_size,
         num_tokens=inp.num_tokens,
@@ -46,7 +46,7 @@ def build_attention_metadata(
     if native_kernels is not None:
         meta.native = _native_input(inp, block_size, kv_cache, native_kernels)
         meta.native.split_context = not batch_invariant
-    elif inp.varlen:
+    elif inp.is_prompt:
         start = 0
         for qlen, ctx, table in zip(inp.query_lens, inp.context_lens, inp.block_tables):
             seq = PrefillSeq(query_start=start, query_len=qlen, context_len=ctx)
@@ -77,7 +77,7 @@ def _native_input(inp: StepInput, block_size: int, kv_cache: torch.Tensor, kerne
         context_lens=torch.tensor(inp.context_lens, dtype=torch.int64, device=device),
         kv_strides=cpu_kernels.kv_strides(kv_cache[:, 0]),
     )
-    if inp.varlen:
+    if inp.is_prompt:
         starts = [0, *itertools.accumulate(inp.query_lens[:-1])]
         native.query_starts = torch.tensor(starts, dtype=torch.int64, device=device)
         native.query_lens = torch.tensor(inp.query_lens, dtype=torch.int64, device=device)

@@ -71,12 +71,6 @@ class StepInput:
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
-    @property
-    def varlen(self) -> bool:
-        """Attention takes several query rows of one sequence: a prefill, or a decode step that
-        verifies drafts (1 + k rows for a speculating sequence)."""
-        return self.is_prompt or len(self.input_ids) > len(self.query_lens)
-
 
 @dataclass
 class StepResult:
