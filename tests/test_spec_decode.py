@@ -180,12 +180,15 @@ def test_drafts_stop_short_of_max_tokens_and_of_free_blocks():
 def test_back_off_after_misses():
     pool = DraftPool(_FixedDrafter([1, 2]), num_slots=2, num_draft_tokens=2, miss_limit=2, first_pause=3)
     seq = Sequence("r", [1, 2, 1], SamplingParams(), seed=0)
-    for _ in range(2):
-        assert pool.propose(seq, 5) == [1, 2]
-        pool.record(seq, 2, 0)
-    assert [pool.propose(seq, 5) for _ in range(3)] == [[], [], []]  # paused for 3 steps
     assert pool.propose(seq, 5) == [1, 2]
-    pool.record(seq, 2, 1)  # an accepted draft resets the run
+    pool.record(seq, 2, 0)
+    assert pool.propose(seq, 5) == [1]  # one more than the last step accepted
+    pool.record(seq, 1, 0)
+    assert [pool.propose(seq, 5) for _ in range(3)] == [[], [], []]  # two misses: paused for 3 steps
+    assert pool.propose(seq, 5) == [1]
+    pool.record(seq, 1, 1)  # an accepted draft resets the run, and the next step drafts more
+    assert pool.propose(seq, 5) == [1, 2]
+    assert pool.propose(seq, 1) == [1]  # never past what the caller has room for
     pool.release(seq)
     assert seq.draft_slot == -1 and pool.stats()["accepted_tokens"] == 1
 

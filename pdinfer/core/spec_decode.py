@@ -82,7 +82,8 @@ class DraftPool:
     DeepInfer's MTP information pool, which only NORMAL and COMPLETION engines build), the
     drafter, and the back-off.
 
-    Back-off, per sequence: after ``miss_limit`` steps in a row that drafted nothing or had no
+    Per sequence, a step drafts one token more than the last step accepted (at most k), so
+    rows are not spent on drafts that keep failing. Back-off: after ``miss_limit`` steps in a row that drafted nothing or had no
     draft accepted, the sequence stops drafting for ``pause`` steps; each further miss run
     doubles the pause (up to ``max_pause``), an accepted draft resets it. Drafting costs a
     1 + k-token forward and, with zero-overhead scheduling, the overlap of that step, so text
@@ -108,6 +109,7 @@ class DraftPool:
         self._misses = [0] * num_slots  # steps in a row without an accepted draft
         self._pause = [0] * num_slots  # steps left without drafting
         self._next_pause = [first_pause] * num_slots
+        self._k = [num_draft_tokens] * num_slots  # drafts to propose next
         # counters (engine stats)
         self.num_draft_steps = 0  # sequence-steps that verified drafts
         self.num_drafted_tokens = 0
@@ -148,7 +150,8 @@ class DraftPool:
             seq.draft_slot = self._free_slots.pop()
             self._misses[seq.draft_slot], self._pause[seq.draft_slot] = 0, 0
             self._next_pause[seq.draft_slot] = self.first_pause
-        drafts = self.drafter.propose(seq.token_ids, k)
+            self._k[seq.draft_slot] = self.num_draft_tokens
+        drafts = self.drafter.propose(seq.token_ids, min(k, self._k[seq.draft_slot]))
         if not drafts:
             self._record_miss(seq.draft_slot)
         return drafts
@@ -159,9 +162,12 @@ class DraftPool:
         self.num_accepted_tokens += accepted
         if seq.draft_slot < 0:
             return
+        slot = seq.draft_slot
+        # Draft one more than were accepted (all taken: one more than drafted, up to k).
+        self._k[slot] = min(self.num_draft_tokens, accepted + 1)
         if accepted:
-            self._misses[seq.draft_slot] = 0
-            self._next_pause[seq.draft_slot] = self.first_pause
+            self._misses[slot] = 0
+            self._next_pause[slot] = self.first_pause
         else:
             self._record_miss(seq.draft_slot)
 
