@@ -88,6 +88,8 @@ _ENGINE_FIELDS = (
     "num_threads",
     "enforce_eager",
     "batch_invariant",
+    "speculative_method",
+    "num_draft_tokens",
     "kv_store",
     "kv_store_bytes",
     "kv_store_memory_bytes",
@@ -162,6 +164,20 @@ def add_engine_args(parser: argparse.ArgumentParser, *, include_seed: bool = Tru
         action="store_true",
         help="a request's logits, tokens and log-probs bit-identical whatever else shares its batch "
         "and however its prefill is chunked (CPU float32; slower small steps, see docs/performance.md)",
+    )
+    g.add_argument(
+        "--speculative-method",
+        default=None,
+        choices=["ngram", "mtp"],
+        help="speculative decoding: 'ngram' drafts from earlier text of each request (prompt lookup) and "
+        "verifies the drafts in one decode step; 'mtp' needs a checkpoint with an MTP module (none yet). "
+        "CPU only; a prompt engine never drafts (default: off)",
+    )
+    g.add_argument(
+        "--num-draft-tokens",
+        type=non_negative_int,
+        default=0,
+        help="draft tokens verified per decode step (default: 3 with --speculative-method)",
     )
     g.add_argument(
         "--kv-store",

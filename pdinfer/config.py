@@ -15,6 +15,9 @@ from pdinfer.engine_type import EngineType
 MiB = 1 << 20
 GiB = 1 << 30
 
+SPECULATIVE_METHODS = ("ngram", "mtp")
+DEFAULT_NUM_DRAFT_TOKENS = 3  # k when speculation is on and num_draft_tokens is left at 0
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -200,6 +203,10 @@ class EngineArgs:
     expert_parallel_size: int = 1  # ranks of the DP group that share one model's routed experts
     num_redundant_experts: int = 0  # extra expert replicas EPLB places (per MoE layer, whole group)
     eplb_interval: int | None = None  # steps between rearrangements; None: the role's default
+    # Speculative decoding (docs/usage.md): None (off), "ngram" (prompt lookup) or "mtp" (needs
+    # a checkpoint with an MTP module). num_draft_tokens: drafts verified per step (k), which
+    # also sizes decode steps (MoE workspace, a CE's KV profiling) as 1 + k tokens a sequence.
+    speculative_method: str | None = None
     num_draft_tokens: int = 0
     enforce_eager: bool = False
     num_threads: int | None = None  # torch intra-op threads on CPU
@@ -258,12 +265,26 @@ class EngineArgs:
             self.eplb_interval = env.rearm("PDINFER_EPLB_INTERVAL")
         if self.eplb_interval < 0 or self.num_redundant_experts < 0 or self.expert_parallel_size < 1:
             raise ValueError("eplb_interval and num_redundant_experts must be >= 0, expert_parallel_size >= 1")
+        self._check_speculative()
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.kv_store_bytes is not None and self.kv_store_bytes <= 0:
             raise ValueError(f"kv_store_bytes must be positive, got {self.kv_store_bytes}")
         if self.kv_store_memory_bytes < 0 or self.kv_store_save_interval_tokens < 0:
             raise ValueError("kv_store_memory_bytes and kv_store_save_interval_tokens must be >= 0")
+
+    def _check_speculative(self) -> None:
+        if self.num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+        if self.speculative_method is None:
+            return
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"unknown speculative_method {self.speculative_method!r}: use one of {list(SPECULATIVE_METHODS)} "
+                "or None (off)"
+            )
+        if self.num_draft_tokens == 0:
+            self.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
 
     @property
     def role(self) -> EngineType:

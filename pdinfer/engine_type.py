@@ -41,6 +41,13 @@ class EngineType(enum.Enum):
         return self is EngineType.COMPLETION
 
     @property
+    def drafts_tokens(self) -> bool:
+        """It keeps a draft pool (one slot per request) and speculates in decode steps (NORMAL,
+        COMPLETION). A PE never drafts: it only prefills, and in P/D drafting starts on the CE
+        after the PE's first token."""
+        return self is not EngineType.PROMPT
+
+    @property
     def eplb_counts_prefill_steps(self) -> bool:
         """The seed's ``_update_rearrangement``: PROMPT and COMPLETION count every step toward
         the EPLB interval; NORMAL does not count its prefill steps."""

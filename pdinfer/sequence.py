@@ -83,6 +83,11 @@ class Sequence:
         self.reported_finished = False  # its finish already went out
         self.grammar: Any = None  # structured outputs: its matcher (engine/structured.py)
         self.num_steps_scheduled = 0
+        # Speculative decoding (core/spec_decode.py): the drafts the step in flight verifies,
+        # the blocks it appended for them, and the sequence's slot of the engine's draft pool.
+        self.draft_token_ids: list[int] = []
+        self.num_draft_blocks = 0
+        self.draft_slot = -1
         self.first_token_time: float | None = None
         self.handoff: Any = None  # P/D bookkeeping, owned by the PE/CE subclasses
         self.first_tokens: list[int] = []  # PE: the first token of each of the n outputs

@@ -160,24 +160,37 @@ class BlockManager:
             seq.block_table.extend(self.allocate_blocks(missing))
 
     # --- decode ----------------------------------------------------------------------------
-    def can_append_slot(self, seq: Sequence) -> bool:
-        return self._append_cost(seq) <= self.num_free_blocks
+    def can_append_slot(self, seq: Sequence, num_tokens: int = 1) -> bool:
+        return self._append_cost(seq, num_tokens) <= self.num_free_blocks
 
-    def _append_cost(self, seq: Sequence) -> int:
-        position = seq.num_computed_tokens  # the slot this decode writes
-        index = position // self.block_size
-        if index >= len(seq.block_table):
-            return 1
-        return 1 if self.ref_counts[seq.block_table[index]] > 1 else 0
+    def _append_cost(self, seq: Sequence, num_tokens: int) -> int:
+        first = seq.num_computed_tokens // self.block_size  # the block this decode writes first
+        last = (seq.num_computed_tokens + num_tokens - 1) // self.block_size
+        cost = max(0, last + 1 - len(seq.block_table))
+        if first < len(seq.block_table) and self.ref_counts[seq.block_table[first]] > 1:
+            cost += 1  # copy-on-write of a shared, partly written block
+        return cost
 
-    def append_slot(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Make room for one more token; returns block copies (copy-on-write) to apply first."""
-        index = seq.num_computed_tokens // self.block_size
-        if index >= len(seq.block_table):
-            seq.block_table.extend(self.allocate_blocks(1))
-            return []
-        copy = self.copy_on_write(seq, index)
+    def append_slot(self, seq: Sequence, num_tokens: int = 1) -> list[tuple[int, int]]:
+        """Make room for ``num_tokens`` more tokens (a decode token and its drafts); returns
+        block copies (copy-on-write) to apply first. ``seq.num_draft_blocks``: blocks added."""
+        first = seq.num_computed_tokens // self.block_size
+        missing = self.blocks_for(seq.num_computed_tokens + num_tokens) - len(seq.block_table)
+        copy = self.copy_on_write(seq, first) if first < len(seq.block_table) else None
+        seq.num_draft_blocks = max(0, missing)
+        if missing > 0:
+            seq.block_table.extend(self.allocate_blocks(missing))
         return [copy] if copy else []
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks a step appended that now hold no computed token (rejected drafts
+        only). Such blocks were never published to the prefix cache: publishing stops at the
+        sequence's known tokens, and drafts are not among them."""
+        keep = max(self.blocks_for(seq.num_computed_tokens), len(seq.block_table) - seq.num_draft_blocks)
+        if keep < len(seq.block_table):
+            self.free_blocks(seq.block_table[keep:])
+            del seq.block_table[keep:]
+        seq.num_draft_blocks = 0
 
     def copy_on_write(self, seq: Sequence, index: int) -> tuple[int, int] | None:
         """Give ``seq`` a private copy of its block ``index`` if the block is shared."""

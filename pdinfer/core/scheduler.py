@@ -16,6 +16,7 @@ from pdinfer.config import SchedulerConfig
 from pdinfer.core.block_manager import BlockManager
 from pdinfer.core.dp import DPGroup, SingleProcessDPGroup
 from pdinfer.core.outputs import SchedulerOutputs
+from pdinfer.core.spec_decode import DraftPool
 from pdinfer.core.state_manager import StateManager
 from pdinfer.engine_type import EngineType
 from pdinfer.sequence import Sequence, SequenceStatus
@@ -35,11 +36,13 @@ class Scheduler:
         block_manager: BlockManager,
         dp_group: DPGroup | None = None,
         state_manager: StateManager | None = None,
+        draft_pool: DraftPool | None = None,
     ):
         self.config = config
         self.engine_type = EngineType.from_int(config.engine_type)
         self.block_manager = block_manager
         self.state_manager = state_manager
+        self.draft_pool = draft_pool  # speculative decoding (NORMAL and COMPLETION only)
         self.dp_group: DPGroup = dp_group or SingleProcessDPGroup()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -166,11 +169,17 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:  # preempted for recompute while its last token was in flight
             self.waiting.remove(seq)
+        self._release_draft_slot(seq)
         self.finished.append(seq)
 
     def free_seq(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         self._free_state(seq)
+        self._release_draft_slot(seq)
+
+    def _release_draft_slot(self, seq: Sequence) -> None:
+        if self.draft_pool is not None:
+            self.draft_pool.release(seq)
 
     def _free_state(self, seq: Sequence) -> None:
         if self.state_manager is not None and seq.state_id >= 0:
@@ -335,19 +344,43 @@ class Scheduler:
             if bm.blocks_for(seq.num_computed_tokens + 1) > bm.num_total_blocks:
                 self._end_outgrown(seq, outputs)  # preempting could never make room
                 continue
-            while not bm.can_append_slot(seq):
-                victim = self.running[-1]
-                self._preempt(victim, outputs)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            outputs.clone_blocks.extend(bm.append_slot(seq))
-            seq.num_computed_tokens += 1
-            seq.num_pending_tokens += 1
-            bm.register_full_blocks(seq)
-            outputs.add(seq, 1, do_sample=True)
+            self._schedule_decode_seq(seq, outputs)
         return outputs
+
+    def _schedule_decode_seq(self, seq: Sequence, outputs: SchedulerOutputs) -> None:
+        """One decode token for ``seq``, and its drafts when it speculates and blocks allow."""
+        bm = self.block_manager
+        drafts = self._drafts(seq)
+        if drafts and not bm.can_append_slot(seq, 1 + len(drafts)):
+            drafts = []  # no room for the drafts: a plain decode step, which may preempt
+        while not bm.can_append_slot(seq):
+            victim = self.running[-1]
+            self._preempt(victim, outputs)
+            if victim is seq:
+                return
+        num_tokens = 1 + len(drafts)
+        outputs.clone_blocks.extend(bm.append_slot(seq, num_tokens))
+        seq.num_computed_tokens += num_tokens  # the drafts' K/V too; rolled back if rejected
+        seq.num_pending_tokens += 1
+        seq.draft_token_ids = drafts
+        bm.register_full_blocks(seq)  # known tokens only: drafts are never published
+        outputs.add(seq, num_tokens, do_sample=True)
+
+    def _drafts(self, seq: Sequence) -> list[int]:
+        """The draft pool's proposal, short enough that every token it could emit (the drafts
+        and the bonus token) stays within max_tokens and the context."""
+        if self.draft_pool is None:
+            return []
+        room = min(seq.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens) - 1
+        return self.draft_pool.propose(seq, room)
+
+    def rollback_drafts(self, seq: Sequence) -> None:
+        """After a verifying step: forget the K/V of rejected drafts (the tokens after the last
+        emitted one) and free the blocks that held only them."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
+        seq.draft_token_ids = []
+        if seq.block_table:
+            self.block_manager.trim(seq)
 
     def _end_outgrown(self, seq: Sequence, outputs: SchedulerOutputs) -> None:
         """A sequence longer than the whole cache (``admit`` keeps engines' requests from
@@ -355,6 +388,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         self._free_state(seq)
+        self._release_draft_slot(seq)
         seq.finish(SequenceStatus.FINISHED_LENGTH)
         outputs.preempted_seqs.append(seq)
 
@@ -362,6 +396,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         self._free_state(seq)
+        self._release_draft_slot(seq)
         self.num_preemptions += 1
         outputs.preempted_seqs.append(seq)
         if self.config.stop_preempted_request:

@@ -39,6 +39,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     handoff_bytes: int = 0
     handoff_seconds: float = 0.0
     num_handoffs_failed: int = 0
+    # speculative decoding (``DraftPool``), cumulative: drafts verified, and accepted
+    num_drafted_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -56,6 +59,7 @@ class EngineStats(msgspec.Struct, frozen=True):
 def take_stats(engine, num_steps: int) -> EngineStats:
     scheduler, blocks = engine.scheduler, engine.block_manager
     handoffs = getattr(engine, "handoff_stats", None) or {}
+    pool = getattr(scheduler, "draft_pool", None)
     return EngineStats(
         num_waiting=len(scheduler.waiting),
         num_running=len(scheduler.running),
@@ -72,6 +76,8 @@ def take_stats(engine, num_steps: int) -> EngineStats:
         handoff_bytes=handoffs.get("bytes", 0),
         handoff_seconds=handoffs.get("seconds", 0.0),
         num_handoffs_failed=handoffs.get("failed", 0),
+        num_drafted_tokens=pool.num_drafted_tokens if pool is not None else 0,
+        num_accepted_draft_tokens=pool.num_accepted_tokens if pool is not None else 0,
     )
 
 

@@ -20,7 +20,7 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,7 @@ from pdinfer.engine.kv_store_agent import KVStoreAgent
 from pdinfer.engine.output_processor import OutputProcessor
 from pdinfer.engine.output_tracker import OutputTracker
 from pdinfer.engine.request import RequestState
+from pdinfer.engine.speculative import build_draft_pool
 from pdinfer.engine.step_builder import StepBuilder
 from pdinfer.engine.step_log import StepLog
 from pdinfer.engine_type import EngineType
@@ -58,6 +59,7 @@ class InFlight:
     owners: list[tuple[Sequence, int]]
     future: StepFuture
     prompt_owners: list[tuple[Sequence, int]]  # (sequence, its rows of prompt log-probs)
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> the drafts it verifies
 
 
 class LLMEngine:
@@ -95,7 +97,11 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, dp_group, self._state_manager())
+        # Speculative decoding: NORMAL and COMPLETION only (None on a PE or when off).
+        self.draft_pool = build_draft_pool(engine_args, hf_config, self.model_runner.model, self.device)
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.block_manager, dp_group, self._state_manager(), self.draft_pool
+        )
         self.executor = StepExecutor(self.model_runner, overlap=self.zero_overhead)
         self.eplb: ExpertLoadBalancer | None = None  # MoE with expert parallelism or replicas
         if self.model_runner.moe_layers:
@@ -408,14 +414,19 @@ class LLMEngine:
         """One step of the engine loop: every request's new token ids, no text."""
         if self.kv_store is not None:
             self.kv_store.load_waiting()  # stored prefixes become prefix-cache hits
+        drained: list[RequestDelta] = []
+        if self._inflight is not None and self._drafts_wait_for(self._inflight):
+            # Drafts are looked up in known tokens, and a step that verified drafts decides
+            # where the next one starts: finish the step in flight first (no overlap).
+            drained = self._post_process_step(self._inflight)
+            self._inflight = None
         plan = self.scheduler.schedule()
         self.post_schedule(plan)
-        drained: list[RequestDelta] = []
         previous = self._inflight
         constrained = previous is not None and any(seq.grammar is not None for seq in plan.scheduled_seqs)
         if previous is not None and constrained and not self._can_defer_masks():
             # A grammar's next mask needs the token in flight: finish that step first.
-            drained = self._post_process_step(previous)
+            drained += self._post_process_step(previous)
             self._inflight = previous = None
         if not plan.prompt_run:
             to_copy = [seq for seq in plan.scheduled_seqs if self.should_copy_state(seq)]
@@ -443,6 +454,16 @@ class LLMEngine:
         else:
             host_work = list
         return outputs + self.executor.overlap_with(inflight.future if inflight is not None else None, host_work)
+
+    def _drafts_wait_for(self, inflight: InFlight) -> bool:
+        """Whether the next schedule must wait for the step in flight: it verifies drafts, or
+        one of its sequences may draft next (its drafts need its newest token)."""
+        pool = self.draft_pool
+        if pool is None:
+            return False
+        return bool(inflight.drafts) or any(
+            pool.wants_to_draft(seq) for seq in inflight.plan.scheduled_seqs if not seq.is_finished
+        )
 
     def _can_defer_masks(self) -> bool:
         """Whether a step's grammar masks may wait for the host work overlapped with its
@@ -478,7 +499,8 @@ class LLMEngine:
                 if inp.samples[i].masked_later and seq.grammar is not None
             }
             inp.masks_later = DeferredMasks(lambda: self._post_process_step(in_flight), grammars)
-        return InFlight(plan, inp, owners, self.executor.launch(inp), prompt_owners)
+        drafts = {seq.seq_id: list(seq.draft_token_ids) for seq in plan.scheduled_seqs if seq.draft_token_ids}
+        return InFlight(plan, inp, owners, self.executor.launch(inp), prompt_owners, drafts)
 
     def pre_sampler_sync(self, plan: SchedulerOutputs) -> None:
         if not plan.prompt_run:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pdinfer.core.outputs import SchedulerOutputs
+from pdinfer.core.spec_decode import num_accepted
 from pdinfer.engine.request import RequestState, fork_seed
 from pdinfer.outputs import PromptLogprobs, RequestDelta
 from pdinfer.sequence import Sequence, SequenceStatus
@@ -50,25 +51,53 @@ class OutputProcessor:
         if inflight.prompt_owners:
             self._add_prompt_logprobs(inflight.prompt_owners, result)
         requests = self.engine.requests
-        for index, (seq, copy) in enumerate(inflight.owners):
-            if seq.is_finished:
-                continue  # aborted or stopped while this step ran; its sample is dropped
+        index, owners = 0, inflight.owners
+        while index < len(owners):
+            seq, copy = owners[index]
+            drafts = inflight.drafts.get(seq.seq_id) if copy == 0 else None
+            num_rows = 1 + len(drafts) if drafts else 1
             state = requests.get(seq.request_id)
-            if state is None:
-                continue
-            token = result.token_ids[index]
-            if self.prefill_only:
-                self._record_first_token(state, seq, copy, token, result, index)
-            elif copy > 0:
-                fork = self._fork(state, seq, copy, token)
-                self._add_logprobs(fork, result, index, token, replace=True)
-                self._after_token(fork, token)
+            if drafts:
+                if not seq.is_finished and state is not None:
+                    self._verify_drafts(seq, drafts, result, index)
+                    touched[state.request_id] = state
+            elif seq.is_finished or state is None:
+                pass  # aborted or stopped while this step ran; its sample is dropped
             else:
-                seq.append_token(token)
-                self._add_logprobs(seq, result, index, token)
-                self._after_token(seq, token)
-            touched[state.request_id] = state
+                self._apply_token(state, seq, copy, result, index)
+                touched[state.request_id] = state
+            index += num_rows
         return [self.engine._report(state) for state in touched.values()]
+
+    def _apply_token(self, state: RequestState, seq: Sequence, copy: int, result: StepResult, index: int) -> None:
+        token = result.token_ids[index]
+        if self.prefill_only:
+            self._record_first_token(state, seq, copy, token, result, index)
+        elif copy > 0:
+            fork = self._fork(state, seq, copy, token)
+            self._add_logprobs(fork, result, index, token, replace=True)
+            self._after_token(fork, token)
+        else:
+            seq.append_token(token)
+            self._add_logprobs(seq, result, index, token)
+            self._after_token(seq, token)
+
+    def _verify_drafts(self, seq: Sequence, drafts: list[int], result: StepResult, index: int) -> None:
+        """A speculating sequence's rows: emit the accepted drafts and the token after them
+        (``spec_decode``), stopping exactly where a stop condition ends the output, then roll
+        back the K/V of what was not emitted."""
+        sampled = result.token_ids[index : index + len(drafts) + 1]
+        accepted = num_accepted(drafts, sampled)
+        for row, token in enumerate(sampled[: accepted + 1]):
+            seq.append_token(token)
+            self._add_logprobs(seq, result, index + row, token)
+            self._after_token(seq, token)
+            if seq.is_finished:
+                break
+        pool = self.engine.scheduler.draft_pool
+        if pool is not None:
+            pool.record(seq, len(drafts), accepted)
+        self.engine.scheduler.rollback_drafts(seq)
 
     @staticmethod
     def _add_prompt_logprobs(prompt_owners: list[tuple[Sequence, int]], result: StepResult) -> None:

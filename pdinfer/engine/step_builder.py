@@ -66,19 +66,36 @@ class StepBuilder:
         start = end - num_tokens
         first_row = len(inp.input_ids)
         pending_ref = None
+        drafts = seq.draft_token_ids  # speculating: the last known token, then these
         for pos in range(start, end):
             if pos < len(seq.token_ids):
                 inp.input_ids.append(seq.token_ids[pos])
+            elif drafts:
+                inp.input_ids.append(drafts[pos - len(seq.token_ids)])
             else:
                 # Sampled by the step in flight; the runner reads it from that step's output.
                 pending_ref = self.last_sample[seq.seq_id]
                 inp.pending.append((len(inp.input_ids), *pending_ref))
                 inp.input_ids.append(-1)
             inp.positions.append(pos)
-        inp.query_lens.append(num_tokens)
-        inp.context_lens.append(end)
-        inp.block_tables.append(list(seq.block_table))
+        table = list(seq.block_table)
+        if drafts:
+            # A verifying step is a decode step: the sequence's 1 + k tokens are 1 + k rows of one
+            # query each, sharing its block table, each attending up to its own position (a
+            # step writes every row's K/V before any row attends). So the decode kernels (and
+            # the CPU decode stack) run it, and each row's logits are a plain decode step's.
+            for pos in range(start, end):
+                inp.query_lens.append(1)
+                inp.context_lens.append(pos + 1)
+                inp.block_tables.append(table)
+        else:
+            inp.query_lens.append(num_tokens)
+            inp.context_lens.append(end)
+            inp.block_tables.append(table)
         if not do_sample:
+            return
+        if drafts:
+            self._add_draft_samples(inp, owners, seq, first_row, start)
             return
         row = first_row + num_tokens - 1
         # n > 1: the prompt is computed once and sampled n times; outputs 1..n-1 become forks.
@@ -88,6 +105,19 @@ class StepBuilder:
             seed = fork_seed(seq.seed, copy)
             inp.samples.append(_sample_spec(seq, row, end, seed, pending_ref is not None, defer_masks))
             owners.append((seq, copy))
+
+    def _add_draft_samples(self, inp: StepInput, owners: list, seq: Sequence, first_row: int, start: int) -> None:
+        """Every row of a speculating sequence is sampled: row i samples the token at position
+        start + i + 1 as a plain decode step there would (same seed and position; penalties see
+        the drafts before it as output tokens)."""
+        self.last_sample.pop(seq.seq_id, None)  # its next step follows this one's processing
+        drafts = seq.draft_token_ids
+        for i in range(len(drafts) + 1):
+            spec = _sample_spec(seq, first_row + i, start + i + 1, seq.seed, False, False)
+            if spec.output_tokens is not None:
+                spec.output_tokens += drafts[:i]
+            inp.samples.append(spec)
+            owners.append((seq, 0))
 
     def forget(self, seq: Sequence) -> None:
         self.last_sample.pop(seq.seq_id, None)
