@@ -177,6 +177,30 @@ def test_drafts_stop_short_of_max_tokens_and_of_free_blocks():
     assert plan.num_scheduled_tokens == [1] and not seq.draft_token_ids
 
 
+def test_steps_of_more_sequences_than_max_batch_draft_nothing():
+    """A batch above the pool's ``max_batch`` decodes plainly (one row a sequence); once it is
+    small enough again its sequences draft."""
+    scheduler = _scheduler([60, 61, 62], num_blocks=16)
+    scheduler.draft_pool.max_batch = 1
+    first = _decoding_seq(scheduler, range(7))
+    second = Sequence("s", list(range(7)), SamplingParams(temperature=0.0, max_tokens=20), seed=0, max_tokens=20)
+    scheduler.add_sequence(second)
+    plan = scheduler.schedule()  # the second prefill runs with the first's decode or alone
+    for seq in plan.scheduled_seqs:
+        seq.num_pending_tokens -= 1
+        seq.append_token(50)
+        scheduler.rollback_drafts(seq)
+    plan = scheduler.schedule()
+    assert sorted(plan.num_scheduled_tokens) == [1, 1]  # two sequences: nobody drafts
+    for seq in plan.scheduled_seqs:
+        seq.num_pending_tokens -= 1
+        seq.append_token(51)
+        scheduler.rollback_drafts(seq)
+    scheduler.abort("s")
+    plan = scheduler.schedule()
+    assert plan.scheduled_seqs == [first] and plan.num_scheduled_tokens == [4]  # alone: 1 + 3 drafts
+
+
 def test_back_off_after_misses():
     pool = DraftPool(_FixedDrafter([1, 2]), num_slots=2, num_draft_tokens=2, miss_limit=2, first_pause=3)
     seq = Sequence("r", [1, 2, 1], SamplingParams(), seed=0)

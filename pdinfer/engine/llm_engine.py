@@ -461,6 +461,8 @@ class LLMEngine:
         pool = self.draft_pool
         if pool is None:
             return False
+        if not pool.drafts_at(len(self.scheduler.running)):
+            return bool(inflight.drafts)
         return bool(inflight.drafts) or any(
             pool.wants_to_draft(seq) for seq in inflight.plan.scheduled_seqs if not seq.is_finished
         )
