@@ -56,7 +56,7 @@ if HAS_TRITON:
             tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
             tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes every step
     def decode_kernel(
         q_ptr,
         cache_ptr,
@@ -209,7 +209,7 @@ if HAS_TRITON:
             m_i = m_new
         return acc, m_i, l_i
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes every step
     def prefill_kernel(
         q_ptr,
         cache_ptr,

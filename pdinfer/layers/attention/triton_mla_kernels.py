@@ -46,7 +46,7 @@ if HAS_TRITON:
             dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + d
             tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes every step
     def mla_decode_kernel(
         q_lat_ptr,
         q_rope_ptr,
