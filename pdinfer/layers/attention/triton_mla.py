@@ -20,10 +20,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdinfer.layers.attention import triton_kernels
 from pdinfer.layers.attention import triton_mla_kernels as kernels
 from pdinfer.layers.attention.mla import MLAPagedAttention
-from pdinfer.layers.attention.triton_paged import LOG2E, PREFILL_BLOCK_M, GpuAttentionMetadata
+from pdinfer.layers.attention.triton_paged import (
+    LOG2E,
+    PREFILL_BLOCK_M,
+    GpuAttentionMetadata,
+    merge_splits,
+    split_buffers,
+)
 from pdinfer.layers.triton_ops import next_pow2
 
 # Heads per decode program: they share each latent tile (tl.dot needs at least 16 rows).
@@ -84,11 +89,7 @@ def mla_decode_attention(
         out = torch.empty((b, h, latent), dtype=q_latent.dtype, device=q_latent.device)
     if b == 0:
         return out
-    if num_splits > 1:
-        part_acc = torch.empty((b, h, num_splits, latent_pad), dtype=torch.float32, device=q_latent.device)
-        part_ml = torch.empty((b, h, num_splits, 2), dtype=torch.float32, device=q_latent.device)
-    else:
-        part_acc = part_ml = out  # unused
+    part_acc, part_ml = split_buffers(out, num_splits, latent_pad)
     cfg = MLA_DECODE_CONFIG
     kernels.mla_decode_kernel[(b, mla_decode_programs(h), num_splits)](
         q_latent,
@@ -122,19 +123,7 @@ def mla_decode_attention(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if num_splits > 1:
-        triton_kernels.decode_merge_kernel[(b, h)](
-            part_acc,
-            part_ml,
-            out,
-            out.stride(0),
-            out.stride(1),
-            h,
-            HEAD_DIM=latent,
-            D_PAD=latent_pad,
-            NUM_SPLITS=num_splits,
-            num_warps=4,
-        )
+    merge_splits(part_acc, part_ml, out, num_splits, latent_pad)
     return out
 
 

@@ -124,11 +124,7 @@ def decode_attention(
         out = torch.empty((b, h, dim), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    if num_splits > 1:
-        part_acc = torch.empty((b, h, num_splits, d_pad), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((b, h, num_splits, 2), dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_ml = out  # unused
+    part_acc, part_ml = split_buffers(out, num_splits, d_pad)
     cfg = DECODE_CONFIG
     block_n = cfg["block_n"] if d_pad <= 128 else 32
     kernels.decode_kernel[(b, kvh, num_splits)](
@@ -160,20 +156,37 @@ def decode_attention(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if num_splits > 1:
-        kernels.decode_merge_kernel[(b, h)](
-            part_acc,
-            part_ml,
-            out,
-            out.stride(0),
-            out.stride(1),
-            h,
-            HEAD_DIM=dim,
-            D_PAD=d_pad,
-            NUM_SPLITS=num_splits,
-            num_warps=4,
-        )
+    merge_splits(part_acc, part_ml, out, num_splits, d_pad)
     return out
+
+
+def split_buffers(out: torch.Tensor, num_splits: int, d_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash-decoding's per-split partial sums and (max, sum) pairs for ``out`` [b, h, dim];
+    with one split the kernel writes ``out`` itself and these are not read."""
+    if num_splits <= 1:
+        return out, out
+    b, h = out.shape[:2]
+    acc = torch.empty((b, h, num_splits, d_pad), dtype=torch.float32, device=out.device)
+    return acc, torch.empty((b, h, num_splits, 2), dtype=torch.float32, device=out.device)
+
+
+def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, num_splits: int, d_pad: int) -> None:
+    """Joins the splits of a decode into ``out`` [b, h, dim] (nothing to do for one split)."""
+    if num_splits <= 1:
+        return
+    b, h, dim = out.shape
+    kernels.decode_merge_kernel[(b, h)](
+        part_acc,
+        part_ml,
+        out,
+        out.stride(0),
+        out.stride(1),
+        h,
+        HEAD_DIM=dim,
+        D_PAD=d_pad,
+        NUM_SPLITS=num_splits,
+        num_warps=4,
+    )
 
 
 def prefill_attention(
