@@ -15,6 +15,11 @@ import torch
 
 # Tests see the real default cache (so the GGUF conversion happens once per machine).
 os.environ.setdefault("PDINFER_LOG_LEVEL", "WARNING")
+# Without a GPU, Triton kernels run in Triton's interpreter (tests/test_triton_*.py). Set before
+# any test imports pdinfer: a kernel is bound to the interpreter or to a GPU driver when its
+# module is imported, and the MoE and MLA layers import their kernels with the models.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(os.cpu_count() or 1)
 
 
