@@ -9,7 +9,10 @@ token ids and exactly ``--output-len`` new tokens (greedy, ``ignore_eos``), in t
 - ``offline``: ``LLM.generate`` with ``max_num_seqs=C`` (C sequences in flight, like C streams);
 - ``serve``: ``pdinfer serve``, C concurrent streamed requests from ``--clients`` processes;
 - ``router``: ``pdinfer router --normal`` in front of that same kind of engine;
-- ``pd``: ``pdinfer launch --prefill 1 --decode 1`` (a PE and a CE on the same device).
+- ``pd``: ``pdinfer launch --prefill 1 --decode 1`` (a PE and a CE on the same device). On one
+  GPU the two engines share its memory: give each a fixed cache, e.g. ``--pd-arg=--num-kv-blocks
+  --pd-arg=16000 --pd-arg=--kv-connector --pd-arg=cuda_ipc`` for the 8B shape (with the default
+  ``--gpu-memory-utilization`` the first engine takes the room the second needs).
 Each mode runs in processes of its own (the device is free again between modes). Output tok/s is
 all output tokens over the wall time from the first request to the last token; TTFT and TPOT
 (time per output token after the first) are per request, p50, offline too (there the engine's
