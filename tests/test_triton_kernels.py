@@ -58,6 +58,18 @@ def test_rms_norm_matches_torch():
     assert rel_err(triton_ops.rms_norm(x, w, 1e-5), ref) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype):
+    x = torch.randn(5, 96).to(dtype)
+    residual = torch.randn(5, 96).to(dtype)
+    w = torch.randn(96).to(dtype)
+    expected_sum = residual + x  # torch's add, rounded to dtype
+    expected = triton_ops.rms_norm(expected_sum, w, 1e-5)
+    out = triton_ops.add_rms_norm_(x, residual, w, 1e-5)
+    assert torch.equal(residual, expected_sum)  # the residual stream, updated in place
+    assert torch.equal(out, expected)  # bit for bit: the fused kernel rounds where the pair does
+
+
 @pytest.mark.parametrize("rotary_dim", [32, 16])
 def test_rotary_qk_in_place_on_strided_views(rotary_dim):
     qkv = torch.randn(9, (4 + 2 + 2) * 32)

@@ -1,4 +1,5 @@
-"""Fused elementwise kernels for CUDA (Triton): RMSNorm, rotary embedding of Q and K, SiLU-and-mul.
+"""Fused elementwise kernels for CUDA (Triton): RMSNorm (alone and after the residual add), rotary
+embedding of Q and K, SiLU-and-mul.
 
 Each replaces 5-10 small torch kernels with one. The rounding follows the Hugging Face bf16
 reference step by step (each product rounded to the activation dtype where torch rounds it), so
@@ -36,6 +37,23 @@ if HAS_TRITON:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         var = tl.sum(x * x, axis=0) / n_cols
         normed = (x * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_rms_norm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, n_cols, eps, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        total = (r + x).to(res_ptr.dtype.element_ty)  # rounded as torch's residual add rounds it
+        tl.store(res_ptr + row * stride_res + cols, total, mask=mask)
+        s = total.to(tl.float32)
+        var = tl.sum(s * s, axis=0) / n_cols
+        normed = (s * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -123,6 +141,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             x2, weight, out, x2.stride(0), out.stride(0), n, eps, BLOCK=next_pow2(n), num_warps=4 if n <= 4096 else 8
         )
     return out.view(shape)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += x`` in place, then ``rms_norm(residual)``: the residual add and the next
+    norm in one kernel (two fewer passes over the hidden states, one launch fewer). Both are
+    [T, hidden] with unit stride along hidden; the sum is rounded to the residual's dtype before
+    the norm reads it, as the unfused ``x + h`` then ``rms_norm`` does, so the two agree bit for bit."""
+    if x.shape != residual.shape or x.stride(-1) != 1 or residual.stride(-1) != 1 or x.dim() != 2:
+        raise ValueError(f"add_rms_norm_ takes two [T, hidden] row-major tensors, got {x.shape} and {residual.shape}")
+    out = torch.empty_like(residual)
+    if residual.shape[0]:
+        n = residual.shape[-1]
+        _add_rms_norm_kernel[(residual.shape[0],)](
+            x,
+            residual,
+            weight,
+            out,
+            x.stride(0),
+            residual.stride(0),
+            out.stride(0),
+            n,
+            eps,
+            BLOCK=next_pow2(n),
+            num_warps=4 if n <= 4096 else 8,
+        )
+    return out
 
 
 def rotary_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

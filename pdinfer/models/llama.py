@@ -149,6 +149,8 @@ class LlamaForCausalLM(nn.Module):
         # CPU decode steps: the layers in one native call (layers/cpu_decode_stack.py), set by
         # the model runner once the linears are packed; None: the modules.
         self.decode_stack: DecodeStack | None = None
+        # The CUDA step runner turns this on: residual adds fused into the next norm (Triton).
+        self.fused_residual = False
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -171,9 +173,35 @@ class LlamaForCausalLM(nn.Module):
             and x.shape[0] <= stack.max_rows
         ):
             return stack.run(x, cos, sin, kv_cache, meta)
+        if self.fused_residual:
+            return self._forward_fused_residual(x, cos, sin, kv_cache, meta, keep_rows)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache, meta, keep_rows if i == last else None)
+        return x
+
+    def _forward_fused_residual(self, x, cos, sin, kv_cache, meta, keep_rows):
+        """The same layers with each residual add fused into the norm that follows it (Triton's
+        ``add_rms_norm_``): two fewer kernels a layer. ``x`` is the residual stream, updated in
+        place; the arithmetic and its rounding are the unfused loop's."""
+        from pdinfer.layers import triton_ops as ops
+
+        layers = self.layers
+        last = len(layers) - 1
+        normed = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            keep = keep_rows if i == last else None
+            h = layer.self_attn(normed, cos, sin, kv_cache, meta, keep)
+            if keep is not None:
+                x = x.index_select(0, keep)
+            post = layer.post_attention_layernorm
+            normed = ops.add_rms_norm_(h, x, post.weight, post.eps)
+            h = layer.mlp(normed)
+            if i < last:
+                nxt = layers[i + 1].input_layernorm
+                normed = ops.add_rms_norm_(h, x, nxt.weight, nxt.eps)
+            else:
+                x.add_(h)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

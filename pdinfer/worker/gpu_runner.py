@@ -99,6 +99,8 @@ class GpuStepRunner:
         if self.device.index is not None:  # "cuda:N": this thread's kernels (Triton too) go there
             torch.cuda.set_device(self.device)
         use_triton_attention(self.model)
+        if isinstance(self.model, LlamaForCausalLM):
+            self.model.fused_residual = True  # residual add + RMSNorm in one Triton kernel
         use_triton_mla(self.model)
         mla = self.spec.mla
         # decode attention programs per sequence and split: KV heads, or MLA's head groups
