@@ -130,7 +130,7 @@ class GpuInputBuilder:
         ctx_pad = np.zeros(rows_pad, dtype=np.int64)
         ctx_pad[:num_seqs] = ctx
         i_ids, i_pos, i_slots, i_bt, i_ctx = (p.add(ids), p.add(pos), p.add(slots), p.add(tables), p.add(ctx_pad))
-        prefill = None if is_decode else _pack_prefill_tiles(p, qlens)
+        prefill = None if is_decode else _pack_prefill_tiles(p, qlens, ctx)
         context = (
             _pack_context_blocks(p, inp.block_tables, ctx, bs) if prefill is not None and self.latent_cache else None
         )
@@ -271,13 +271,20 @@ class GpuInputBuilder:
         return out
 
 
-def _pack_prefill_tiles(p: _Packer, qlens: np.ndarray) -> tuple[int, int, int, int]:
-    """Prefill grid: (query_start, work_seq, work_tile) indices in the packer, and the tile count."""
+def _pack_prefill_tiles(p: _Packer, qlens: np.ndarray, ctx: np.ndarray) -> tuple[int, int, int, int]:
+    """Prefill grid: (query_start, work_seq, work_tile) indices in the packer, and the tile count.
+
+    Tiles go heaviest first (most keys to read: a causal tile near a sequence's end reads up to
+    its whole context, its first tile only the cached prefix), so the long programs start in the
+    first wave and short ones fill the tail instead of the other way round."""
     n = qlens.size
     tiles = -(-qlens // PREFILL_BLOCK_M)
     work_seq = np.repeat(np.arange(n), tiles)
     starts = np.concatenate(([0], np.cumsum(tiles)[:-1])) if n else np.zeros(0, np.int64)
     work_tile = np.arange(work_seq.size) - np.repeat(starts, tiles)
+    keys = (ctx - qlens)[work_seq] + np.minimum((work_tile + 1) * PREFILL_BLOCK_M, qlens[work_seq])
+    order = np.argsort(-keys, kind="stable")
+    work_seq, work_tile = work_seq[order], work_tile[order]
     qstart = np.concatenate(([0], np.cumsum(qlens)))
     return p.add(qstart), p.add(work_seq), p.add(work_tile), work_seq.size
 

@@ -211,7 +211,7 @@ def prefill_attention(
     # memory at head_dim 128, above the H200's 227 KiB; half-width key tiles fit.
     block_n = cfg["block_n"] if q.element_size() <= 2 else 64
     bt = meta.block_tables
-    kernels.prefill_kernel[(meta.num_work, h)](
+    kernels.prefill_kernel[(h, meta.num_work)](
         q,
         c,
         bt,
