@@ -246,9 +246,15 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
+        HEADS_FASTEST: tl.constexpr,
+        UNMASKED_BODY: tl.constexpr,
     ):
-        h = tl.program_id(0)  # heads vary fastest: the GROUP heads of one K/V head run together (L2)
-        w = tl.program_id(1)
+        if HEADS_FASTEST:  # the GROUP query heads of one K/V head are launched together
+            h = tl.program_id(0)
+            w = tl.program_id(1)
+        else:  # the tiles of one head are launched together (they read the same keys)
+            w = tl.program_id(0)
+            h = tl.program_id(1)
         seq = tl.load(work_seq_ptr + w)
         tile = tl.load(work_tile_ptr + w)
         q0 = tl.load(qstart_ptr + seq)
@@ -297,7 +303,7 @@ if HAS_TRITON:
             BLOCK_SIZE,
             BLOCK_N,
             False,
-            HEAD_DIM == D_PAD,
+            UNMASKED_BODY and HEAD_DIM == D_PAD,
             PRECISION,
         )
         acc, m_i, l_i = _prefill_tile(
@@ -320,7 +326,7 @@ if HAS_TRITON:
             BLOCK_SIZE,
             BLOCK_N,
             True,
-            HEAD_DIM == D_PAD,
+            UNMASKED_BODY and HEAD_DIM == D_PAD,
             PRECISION,
         )
         out = acc / tl.maximum(l_i, 1e-30)[:, None]

@@ -55,7 +55,7 @@ class GpuAttentionMetadata:
 PREFILL_BLOCK_M = 128  # query rows per prefill program; the metadata builder tiles with it
 # Launch settings (benchmarks/gpu_suite.py times alternatives; change them only with a measurement).
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
-PREFILL_CONFIG = {"block_n": 128, "num_warps": 8, "num_stages": 2}
+PREFILL_CONFIG = {"block_n": 128, "num_warps": 8, "num_stages": 2, "heads_fastest": False, "unmasked_body": True}
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int | None = None, num_sms: int = 132) -> int:
@@ -211,7 +211,9 @@ def prefill_attention(
     # memory at head_dim 128, above the H200's 227 KiB; half-width key tiles fit.
     block_n = cfg["block_n"] if q.element_size() <= 2 else 64
     bt = meta.block_tables
-    kernels.prefill_kernel[(h, meta.num_work)](
+    heads_fastest = bool(cfg["heads_fastest"])
+    grid = (h, meta.num_work) if heads_fastest else (meta.num_work, h)
+    kernels.prefill_kernel[grid](
         q,
         c,
         bt,
@@ -237,6 +239,8 @@ def prefill_attention(
         BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=block_n,
         PRECISION=_precision(q),
+        HEADS_FASTEST=heads_fastest,
+        UNMASKED_BODY=bool(cfg["unmasked_body"]),
         num_warps=warps,
         num_stages=cfg["num_stages"],
     )
