@@ -163,9 +163,7 @@ def test_decode_num_splits_depends_on_batch_not_context():
 
 
 @pytest.mark.parametrize("num_heads", [4, 2])
-@pytest.mark.parametrize("launch", [{"heads_fastest": False}, {"heads_fastest": True, "unmasked_body": False}])
-def test_prefill_attention_with_cached_prefix(num_heads, launch, monkeypatch):
-    monkeypatch.setattr(tp, "PREFILL_CONFIG", {**tp.PREFILL_CONFIG, **launch})  # the launch variants
+def test_prefill_attention_with_cached_prefix(num_heads):
     _, layer = make_cache()
     query_lens = [7, 150, 1, 20]
     context_lens = [7, 160, 30, 20]  # seqs 1 and 2 continue a cached prefix (chunked prefill)

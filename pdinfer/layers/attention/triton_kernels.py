@@ -188,22 +188,15 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         MASKED: tl.constexpr,
-        EVEN_D: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         n = tl.arange(0, BLOCK_N)
         for n0 in range(lo, hi, BLOCK_N):
             pos = n0 + n
-            if MASKED:
-                blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < ctx, other=0)
-            else:  # every key of the range exists: no bounds to check
-                blk = tl.load(bt_row + pos // BLOCK_SIZE)
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < ctx, other=0)
             off = blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct
             kv_mask = (pos < ctx)[:, None] & dmask[None, :]
-            if MASKED or not EVEN_D:
-                k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            else:
-                k = tl.load(k_base + off[:, None] + d[None, :])
+            k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             if MASKED:
                 s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -211,10 +204,7 @@ if HAS_TRITON:
             alpha = tl.math.exp2(m_i - m_new)
             p = tl.math.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if MASKED or not EVEN_D:
-                v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            else:
-                v = tl.load(v_base + off[:, None] + d[None, :])
+            v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         return acc, m_i, l_i
@@ -246,15 +236,11 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
-        HEADS_FASTEST: tl.constexpr,
-        UNMASKED_BODY: tl.constexpr,
     ):
-        if HEADS_FASTEST:  # the GROUP query heads of one K/V head are launched together
-            h = tl.program_id(0)
-            w = tl.program_id(1)
-        else:  # the tiles of one head are launched together (they read the same keys)
-            w = tl.program_id(0)
-            h = tl.program_id(1)
+        # the tiles of one head are launched together: they read the same keys (measured faster
+        # than launching the query heads of one K/V head together)
+        w = tl.program_id(0)
+        h = tl.program_id(1)
         seq = tl.load(work_seq_ptr + w)
         tile = tl.load(work_tile_ptr + w)
         q0 = tl.load(qstart_ptr + seq)
@@ -303,7 +289,6 @@ if HAS_TRITON:
             BLOCK_SIZE,
             BLOCK_N,
             False,
-            UNMASKED_BODY and HEAD_DIM == D_PAD,
             PRECISION,
         )
         acc, m_i, l_i = _prefill_tile(
@@ -326,7 +311,6 @@ if HAS_TRITON:
             BLOCK_SIZE,
             BLOCK_N,
             True,
-            UNMASKED_BODY and HEAD_DIM == D_PAD,
             PRECISION,
         )
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
