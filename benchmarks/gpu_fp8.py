@@ -104,7 +104,7 @@ def kernel_checks() -> None:
         check(
             f"fp8 decode ({splits} splits) vs bf16 cache of the same values",
             diff <= 1e-2,
-            f"max |diff| {diff:.1e}",
+            f"max abs diff {diff:.1e}",
             "<= 1e-2",
         )
         err = max(_rel(out[i], _ref_attention(q[i], same[:, 0], bt[i], c)) for i, c in enumerate(ctx))
@@ -124,7 +124,7 @@ def kernel_checks() -> None:
     out = tp.prefill_attention(q, kv[:, 0], meta, dim**-0.5)
     ref = tp.prefill_attention(q, same[:, 0], meta, dim**-0.5)
     diff = (out.float() - ref.float()).abs().max().item()
-    check("fp8 prefill vs bf16 cache of the same values", diff <= 1e-2, f"max |diff| {diff:.1e}", "<= 1e-2")
+    check("fp8 prefill vs bf16 cache of the same values", diff <= 1e-2, f"max abs diff {diff:.1e}", "<= 1e-2")
     err = max(_rel(out[i], _ref_attention(q[i], same[:, 0], bt[2], 201 + i)) for i in (0, 150, 299))
     check("fp8 prefill vs float64", err < 2e-2, f"rel err {err:.1e}", "< 2e-2 (bf16)")
     linear_check()
@@ -183,7 +183,7 @@ def accuracy(label: str, name: str, ours: dict, ref: dict) -> None:
     row(
         f"{label} {name}: logits vs bf16",
         f"rel L2 mean {sum(rel) / len(rel):.1e}, max {max(rel):.1e}",
-        f"max |diff| / max |logit| {peak:.1e}",
+        f"max abs diff / max abs logit {peak:.1e}",
     )
     full = sum(n == GREEDY_TOKENS for n in same)
     row(

@@ -90,6 +90,8 @@ if HAS_TRITON:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_per_row`` as one Triton kernel (one program per row: one read, one write)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     rows, cols = x.shape
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
