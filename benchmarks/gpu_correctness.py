@@ -54,7 +54,7 @@ def pdinfer_last_logits(llm: LLM, ids: list[int], chunks: int = 1) -> torch.Tens
     runner = llm.engine.model_runner
     bs = runner.cache.block_size
     num_blocks = -(-len(ids) // bs)
-    scratch = CacheEngine(runner.spec, num_blocks, bs, runner.dtype, runner.device)
+    scratch = CacheEngine(runner.spec, num_blocks, bs, runner.kv_dtype, runner.device)
     table = list(range(num_blocks))[::-1]  # scrambled: blocks in reverse order
     bounds = [len(ids) * i // chunks for i in range(chunks + 1)]
     with torch.inference_mode():

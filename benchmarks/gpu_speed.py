@@ -14,6 +14,7 @@ import torch
 from benchmarks.gpu_correctness import random_prompts
 from benchmarks.gpu_micro import FIG, NEW_TOKENS, PROMPT_LEN, free_memory, log, row, timed
 from pdinfer import LLM, SamplingParams
+from pdinfer.layers.fp8 import Fp8Linear
 
 
 # --- 1. ceilings -----------------------------------------------------------------------------
@@ -36,7 +37,8 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.embed_tokens.weight
     read = total - (embed.numel() * embed.element_size() if model.lm_head is not None else 0)
-    linear = sum(m.weight.numel() for m in model.layers.modules() if isinstance(m, torch.nn.Linear))
+    linears = (torch.nn.Linear, Fp8Linear)
+    linear = sum(m.weight.numel() for m in model.layers.modules() if isinstance(m, linears))
     return read, linear
 
 
@@ -45,7 +47,8 @@ def decode_floor(llm: LLM, batch: int) -> float:
     """tok/s if a decode step only read weights and the mean context's K/V at copy bandwidth."""
     spec = llm.engine.spec
     read, _ = weight_bytes(llm.engine.model_runner.model)
-    kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+    kv_item = llm.engine.model_runner.require_cache().kv.element_size()  # 1 for an FP8 cache
+    kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_item
     mean_ctx = PROMPT_LEN + (NEW_TOKENS + 1) / 2
     step_bytes = read + batch * mean_ctx * kv_per_token
     return batch / (step_bytes / FIG["copy_bw"])

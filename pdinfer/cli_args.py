@@ -88,6 +88,8 @@ _ENGINE_FIELDS = (
     "num_threads",
     "enforce_eager",
     "batch_invariant",
+    "kv_cache_dtype",
+    "quantization",
     "speculative_method",
     "num_draft_tokens",
     "kv_store",
@@ -164,6 +166,20 @@ def add_engine_args(parser: argparse.ArgumentParser, *, include_seed: bool = Tru
         action="store_true",
         help="a request's logits, tokens and log-probs bit-identical whatever else shares its batch "
         "and however its prefill is chunked (CPU float32; slower small steps, see docs/performance.md)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="fp8: K/V stored as float8 e4m3 (half the bytes, twice the blocks; static scale 1.0). "
+        "CUDA GPUs with FP8 (compute capability 8.9+, e.g. Hopper) only (default: the model dtype)",
+    )
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="fp8: the decoder's linear weights quantized to float8 e4m3 at load (per output channel), "
+        "activations per token; Llama family, CUDA GPUs with FP8 only (default: none)",
     )
     g.add_argument(
         "--speculative-method",

@@ -166,6 +166,14 @@ class RunnerOptions:
     cpu_decode_stack: bool = True  # PDINFER_CPU_DECODE_STACK
     # EngineArgs.batch_invariant: a request's logits do not depend on its batch (docs/usage.md)
     batch_invariant: bool = False
+    # EngineArgs.kv_cache_dtype ("auto" or "fp8") and quantization (None or "fp8"), CUDA only
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+
+
+# FP8 (e4m3) on GPUs with FP8 tensor cores (docs/usage.md, "FP8"); "fp8_e4m3" is vLLM's alias.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+QUANTIZATIONS = (None, "fp8")
 
 
 def default_kv_cache_memory_bytes() -> int:
@@ -219,6 +227,11 @@ class EngineArgs:
     # A request's logits (so its tokens and log-probs) bit-identical whatever else shares its
     # batch, the batch size and the prefill chunking; CPU float32 only (docs/usage.md).
     batch_invariant: bool = False
+    # FP8 (e4m3) on CUDA GPUs of compute capability 8.9+ (docs/usage.md, "FP8"): "fp8" stores K/V
+    # as e4m3 with a static per-layer scale of 1.0; quantization="fp8" quantizes the decoder's
+    # linear weights at load (per output channel), activations per token on the fly.
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     # Resolved in __post_init__ from the role and the environment, the only place pdinfer reads
     # engine settings from it ("rearm"); the engine, worker and models get them from here.
     zero_overhead_scheduling: bool = field(init=False, default=False)
@@ -232,6 +245,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self.engine_type = EngineType.parse(self.engine_type)
+        self._check_fp8()
         if self.tokenizer is None:
             self.tokenizer = self.model
         if self.stop_preempted_request is None:
@@ -258,6 +272,8 @@ class EngineArgs:
             cpu_amx=bool(env.rearm("PDINFER_CPU_AMX")),
             cpu_decode_stack=bool(env.rearm("PDINFER_CPU_DECODE_STACK")),
             batch_invariant=bool(self.batch_invariant),
+            kv_cache_dtype=self.kv_cache_dtype,
+            quantization=self.quantization,
         )
         self.kv_secret = env.rearm("PDINFER_KV_SECRET") or None
         env.set_role_default("PDINFER_EPLB_INTERVAL", str(self.engine_type.default_eplb_interval))
@@ -272,6 +288,16 @@ class EngineArgs:
             raise ValueError(f"kv_store_bytes must be positive, got {self.kv_store_bytes}")
         if self.kv_store_memory_bytes < 0 or self.kv_store_save_interval_tokens < 0:
             raise ValueError("kv_store_memory_bytes and kv_store_save_interval_tokens must be >= 0")
+
+    def _check_fp8(self) -> None:
+        """The names only; whether the device has FP8 is checked where the device is known
+        (``layers/fp8.check_support``, when the model runner is built)."""
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8_e4m3":
+            self.kv_cache_dtype = "fp8"
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
 
     def _check_speculative(self) -> None:
         if self.num_draft_tokens < 0:

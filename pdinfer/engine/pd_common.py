@@ -132,7 +132,7 @@ def kv_layout(engine) -> KVLayout:
     cache = engine.spec.kv_cache  # what a block holds (MLA: the latent, not K and V)
     return KVLayout(
         model=model_fingerprint(engine),
-        dtype=str(engine.dtype).removeprefix("torch."),
+        dtype=str(engine.model_runner.kv_dtype).removeprefix("torch."),  # the cache's: e4m3 with fp8
         num_layers=cache.num_layers,
         num_kv_heads=cache.heads,
         head_dim=cache.dim,
@@ -145,6 +145,8 @@ def model_fingerprint(engine) -> str:
     """Architecture, shapes and weights identity: two engines with different weights differ."""
     args = engine.args
     weights = f"dummy:{args.seed}" if args.load_format == "dummy" else engine.model_folder.rstrip("/").split("/")[-1]
+    if args.quantization:  # FP8 weights compute other K/V than the model's own
+        weights += f":{args.quantization}"
     text = json.dumps([dataclasses.asdict(engine.spec), weights], sort_keys=True, default=str)
     return f"{engine.spec.architecture}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 

@@ -15,6 +15,8 @@ from pdinfer.models.spec import ModelSpec
 
 # numpy twins of the CPU cache dtypes (bfloat16 as its 16 bits: zero bits are 0.0 either way)
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
+# Cache dtypes that torch's indexing kernels may not cover: blocks move as their bytes.
+_BYTE_MOVED = (torch.float8_e4m3fn,)
 
 
 def block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
@@ -33,8 +35,12 @@ class CacheEngine:
         # are mapped lazily by the OS (torch.zeros would touch every page: ~6 s for 4 GiB).
         if device.type == "cpu" and dtype in _NUMPY_DTYPES:
             self.kv = torch.from_numpy(np.zeros(shape, dtype=_NUMPY_DTYPES[dtype])).view(dtype)
+        elif dtype in _BYTE_MOVED:  # e4m3's zero is the zero byte
+            self.kv = torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        # what block copies index: the cache itself, or its bytes (an FP8 cache)
+        self._moved = self.kv.view(torch.uint8) if dtype in _BYTE_MOVED else self.kv
         self.bytes_per_block = self.kv[0].numel() * self.kv.element_size()
         self.states: torch.Tensor | None = None
 
@@ -57,16 +63,21 @@ class CacheEngine:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        self.kv[dst] = self.kv[src]
+        self._moved[dst] = self._moved[src]
+
+    def clone_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``copy_blocks`` with the block ids already on the device (the GPU step path)."""
+        self._moved.index_copy_(0, dst, self._moved.index_select(0, src))
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy of the given blocks, ``[len(block_ids), *block_shape]``."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        return self.kv.index_select(0, index)
+        return self._moved.index_select(0, index).view(self.dtype)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        self.kv.index_copy_(0, index, data.to(device=self.device, dtype=self.dtype))
+        data = data.to(device=self.device, dtype=self.dtype)
+        self._moved.index_copy_(0, index, data.view(self._moved.dtype))
 
     @property
     def block_shape(self) -> tuple[int, ...]:

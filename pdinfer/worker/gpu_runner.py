@@ -153,7 +153,7 @@ class GpuStepRunner:
         step = builder.build(inp, pad_to=bucket, num_splits=splits)
         start = self._mark()
         if step.clone_src is not None and step.clone_dst is not None:
-            cache.kv.index_copy_(0, step.clone_dst, cache.kv.index_select(0, step.clone_src))
+            cache.clone_blocks(step.clone_src, step.clone_dst)
         if inp.num_tokens == 0:
             return PendingStepResult(inp.step_id, None)
         hidden = None
@@ -228,7 +228,7 @@ class GpuStepRunner:
         spec = self.spec
         seqs = num_tokens if decode else 1
         blocks_per_seq = 1 if decode else -(-num_tokens // block_size)
-        scratch = CacheEngine(spec, seqs * blocks_per_seq, block_size, self.runner.dtype, self.device)
+        scratch = CacheEngine(spec, seqs * blocks_per_seq, block_size, self.runner.kv_dtype, self.device)
         inp = _profile_input(seqs, num_tokens, num_rows, blocks_per_seq, decode)
         builder = self._input_builder(block_size)
         torch.cuda.synchronize()
@@ -250,7 +250,7 @@ class GpuStepRunner:
         # A PE captures no graphs, so it keeps no room for them.
         graph_reserve = 256 * 2**20 + num_rows * spec.vocab_size * 4 if graphs else 0
         budget = free - (1.0 - gpu_memory_utilization) * total - peak - graph_reserve
-        per_block = block_bytes(spec, block_size, self.runner.dtype)
+        per_block = block_bytes(spec, block_size, self.runner.kv_dtype)
         num_blocks = int(budget // per_block)
         # what decided it, for the GPU suite's role check (benchmarks/gpu_micro.py)
         self.kv_profile = {"peak": peak, "free": free, "total": total, "reserve": graph_reserve}

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pdinfer.config import MoEConfig, RunnerOptions
-from pdinfer.layers import cpu_kernels
+from pdinfer.layers import cpu_kernels, fp8
 from pdinfer.layers.cpu_decode_stack import DecodeStack
 from pdinfer.layers.cpu_linear import pack_linears
 from pdinfer.layers.moe import SparseMoE
@@ -76,7 +76,18 @@ class ModelRunner:
         self.batch_invariant = options.batch_invariant
         if self.batch_invariant:
             batch_invariant.check_device(device, dtype)
+        fp8.check_support(
+            device,
+            options.kv_cache_dtype,
+            options.quantization,
+            latent_cache=spec.mla is not None,
+            moe=spec.moe is not None,
+        )
+        # The KV cache's element type: the model's, or e4m3 (layers/fp8.py: static scale 1.0).
+        self.kv_dtype = fp8.FP8_DTYPE if options.kv_cache_dtype == "fp8" else dtype
         self.model = build_model(spec, folder, load_format, dtype, device, seed, transform)
+        if options.quantization == "fp8":  # checkpoint and dummy weights alike, after loading
+            fp8.quantize_linears(self.model)
         self.dispatcher = self.moe_layers[0].dispatcher if self.moe_layers else None
         self.native_kernels = None
         if device.type == "cpu" and dtype in cpu_kernels.KV_DTYPES:
@@ -133,7 +144,7 @@ class ModelRunner:
         peak = self.activation_bytes(tokens, rows)
         if self.dispatcher is not None:  # the all-to-all buffers, sized by the role's MoE workspace
             peak += self.dispatcher.workspace_bytes
-        per_block = block_bytes(self.spec, block_size, self.dtype)
+        per_block = block_bytes(self.spec, block_size, self.kv_dtype)
         num_blocks = (memory_bytes - peak) // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -154,7 +165,7 @@ class ModelRunner:
         return num_tokens * per_token + logits
 
     def init_cache(self, num_blocks: int, block_size: int) -> CacheEngine:
-        self.cache = CacheEngine(self.spec, num_blocks, block_size, self.dtype, self.device)
+        self.cache = CacheEngine(self.spec, num_blocks, block_size, self.kv_dtype, self.device)
         if self.gpu is not None:
             self.gpu.init_cache(self.cache)
         return self.cache

@@ -12,6 +12,11 @@ the KV cache in place through block tables, given the strides of one layer's vie
 - ``prefill_kernel``: one program per (query tile of a sequence, query head); a query at
   position p attends to keys 0..p of its sequence, read from the cache.
 
+FP8 caches (``KV_FP8``, a float8 e4m3 cache): the write kernel divides by the layer's K or V
+scale, clamps to e4m3's range and rounds (round to nearest even); the attention kernels convert
+the loaded tiles to the query's dtype (exact: every e4m3 value is a bf16/fp16/fp32 value), fold
+the K scale into ``qk_scale`` (the wrapper does) and multiply the output by the V scale.
+
 Defined only where Triton is installed (``HAS_TRITON``); the module imports without it.
 """
 
@@ -36,10 +41,13 @@ if HAS_TRITON:
         stride_ct,
         stride_ch,
         num_kv_heads,
+        k_scale_inv,
+        v_scale_inv,
         BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr,
         HEADS_PAD: tl.constexpr,
+        KV_FP8: tl.constexpr = False,
     ):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -53,6 +61,9 @@ if HAS_TRITON:
             t64 = t.to(tl.int64)
             k = tl.load(k_ptr + t64 * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask)
             v = tl.load(v_ptr + t64 * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask)
+            if KV_FP8:  # e4m3 has no infinity: clamp to its largest value before rounding
+                k = tl.minimum(tl.maximum(k.to(tl.float32) * k_scale_inv, -448.0), 448.0)
+                v = tl.minimum(tl.maximum(v.to(tl.float32) * v_scale_inv, -448.0), 448.0)
             tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
             tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -75,6 +86,7 @@ if HAS_TRITON:
         stride_ot,
         stride_oh,
         qk_scale,
+        v_scale,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -83,6 +95,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         PRECISION: tl.constexpr,
+        KV_FP8: tl.constexpr = False,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -115,6 +128,8 @@ if HAS_TRITON:
             off = blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct
             kv_mask = pmask[:, None] & dmask[None, :]
             k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             s = tl.where(pmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -122,8 +137,12 @@ if HAS_TRITON:
             p = tl.math.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(k_base + stride_ckv + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
+        if KV_FP8:  # the merge of splits is linear in acc: scaling the partials is enough
+            acc = acc * v_scale
         omask = gmask[:, None] & dmask[None, :]
         if NUM_SPLITS == 1:
             out = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -189,6 +208,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         MASKED: tl.constexpr,
         PRECISION: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         n = tl.arange(0, BLOCK_N)
         for n0 in range(lo, hi, BLOCK_N):
@@ -197,6 +217,8 @@ if HAS_TRITON:
             off = blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct
             kv_mask = (pos < ctx)[:, None] & dmask[None, :]
             k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             if MASKED:
                 s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -205,6 +227,8 @@ if HAS_TRITON:
             p = tl.math.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         return acc, m_i, l_i
@@ -229,6 +253,7 @@ if HAS_TRITON:
         stride_ot,
         stride_oh,
         qk_scale,
+        v_scale,
         GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr,
@@ -236,6 +261,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
+        KV_FP8: tl.constexpr = False,
     ):
         # the tiles of one head are launched together: they read the same keys (measured faster
         # than launching the query heads of one K/V head together)
@@ -290,6 +316,7 @@ if HAS_TRITON:
             BLOCK_N,
             False,
             PRECISION,
+            KV_FP8,
         )
         acc, m_i, l_i = _prefill_tile(
             q,
@@ -312,7 +339,10 @@ if HAS_TRITON:
             BLOCK_N,
             True,
             PRECISION,
+            KV_FP8,
         )
+        if KV_FP8:
+            acc = acc * v_scale
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(
             out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],

@@ -16,6 +16,10 @@ over all layers contiguous, which hand-off and store rely on) stays as it is.
   alike, since ``write_kv`` runs first). Variable lengths, chunked prefill and prefix-cache
   hits are the same case.
 
+An FP8 cache (``float8_e4m3fn``, ``kv_cache_dtype="fp8"``) takes the same kernels with
+``KV_FP8`` set: quantized on write, dequantized in registers on read, with the layer's static K
+and V scales (``layers/fp8.py`` says why static, and 1.0).
+
 The ``@triton.jit`` kernels live in ``triton_kernels``; this module holds the per-step metadata,
 the launch settings and wrappers, and the backend class.
 """
@@ -77,8 +81,20 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k/v [T, KVH, D] into ``layer_cache`` [num_blocks, 2, block_size, KVH, D]."""
+def is_fp8(layer_cache: torch.Tensor) -> bool:
+    return layer_cache.dtype == torch.float8_e4m3fn
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Store k/v [T, KVH, D] into ``layer_cache`` [num_blocks, 2, block_size, KVH, D]; an FP8
+    cache stores k / k_scale and v / v_scale."""
     t, kvh, dim = k.shape
     if t == 0:
         return
@@ -97,10 +113,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, slot_m
         c.stride(2),
         c.stride(3),
         kvh,
+        1.0 / k_scale,
+        1.0 / v_scale,
         BLOCK_SIZE=c.shape[2],
         HEAD_DIM=dim,
         D_PAD=next_pow2(dim),
         HEADS_PAD=next_pow2(kvh),
+        KV_FP8=is_fp8(c),
         num_warps=4,
     )
 
@@ -113,8 +132,11 @@ def decode_attention(
     scale: float,
     num_splits: int,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q [B, H, D] (one query per sequence) -> out [B, H, D]."""
+    """q [B, H, D] (one query per sequence) -> out [B, H, D]; ``k_scale``/``v_scale``: an FP8
+    cache's dequantization scales."""
     b, h, dim = q.shape
     c = layer_cache
     kvh = c.shape[3]
@@ -144,7 +166,8 @@ def decode_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        scale * LOG2E,
+        scale * LOG2E * (k_scale if is_fp8(c) else 1.0),
+        v_scale,
         GROUP=group,
         GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=dim,
@@ -153,6 +176,7 @@ def decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         PRECISION=_precision(q),
+        KV_FP8=is_fp8(c),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -195,6 +219,8 @@ def prefill_attention(
     meta: GpuAttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [T, H, D] of variable-length sequences (see ``GpuAttentionMetadata``) -> out [T, H, D]."""
     t, h, dim = q.shape
@@ -232,7 +258,8 @@ def prefill_attention(
         bt.stride(0),
         out.stride(0),
         out.stride(1),
-        scale * LOG2E,
+        scale * LOG2E * (k_scale if is_fp8(c) else 1.0),
+        v_scale,
         GROUP=group,
         HEAD_DIM=dim,
         D_PAD=d_pad,
@@ -240,6 +267,7 @@ def prefill_attention(
         BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=block_n,
         PRECISION=_precision(q),
+        KV_FP8=is_fp8(c),
         num_warps=warps,
         num_stages=stages,
     )
@@ -254,18 +282,22 @@ class TritonPagedAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # An FP8 cache's per-layer scales: static, 1.0 (layers/fp8.py); unused for other caches.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, meta: GpuAttentionMetadata
     ) -> torch.Tensor:
         # New K/V first, so queries read their own chunk (and same-step prefix hits) from the cache.
-        write_kv(k, v, layer_cache, meta.slot_mapping)
+        ks, vs = self.k_scale, self.v_scale
+        write_kv(k, v, layer_cache, meta.slot_mapping, ks, vs)
         out = torch.empty((q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         if meta.is_decode:
             return decode_attention(
-                q, layer_cache, meta.block_tables, meta.context_lens, self.scale, meta.num_splits, out
+                q, layer_cache, meta.block_tables, meta.context_lens, self.scale, meta.num_splits, out, ks, vs
             )
-        return prefill_attention(q, layer_cache, meta, self.scale, out)
+        return prefill_attention(q, layer_cache, meta, self.scale, out, ks, vs)
 
 
 def use_triton_attention(model: torch.nn.Module) -> None:
