@@ -28,6 +28,17 @@ def feed(t: OutputTracker, tokens: list[int], index: int = 0, finish: str | None
     return t.apply(RequestDelta("r", [SeqDelta(index, tokens, finish_reason=finish)], **kw))
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_inside_the_output_are_skipped_or_kept_as_decode_does(tokenizer, ids, skip):
+    special = tokenizer.all_special_ids[:2]
+    out = ids("Hello") + special[:1] + ids(" wide world, café") + special[1:] + ids(" end")
+    t = tracker(tokenizer, ids("Say hi"), max_tokens=100, skip_special_tokens=skip)
+    for token in out:
+        feed(t, [token])
+    feed(t, [], finish="length", finished=True)
+    assert t.output().outputs[0].text == tokenizer.decode(out, skip_special_tokens=skip)
+
+
 def test_text_is_the_tokenizers_decode_one_token_at_a_time(tokenizer, ids):
     prompt, out = ids("The capital of France is"), ids(" Paris, a city of lights. Café!")
     t = tracker(tokenizer, prompt, max_tokens=100)

@@ -24,20 +24,30 @@ class DetokState:
 class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        # transformers rebuilds ``all_special_ids`` on every ``convert_ids_to_tokens(...,
+        # skip_special_tokens=True)`` call: at 256 sequences that was the largest host cost of an
+        # offline decode step. The set is fixed per tokenizer, so it is read once here.
+        self._special = frozenset(tokenizer.all_special_ids) if tokenizer is not None else frozenset()
+
+    def _tokens(self, ids: list[int], skip_special_tokens: bool) -> list[str]:
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special]
+        return self.tokenizer.convert_ids_to_tokens(ids)
 
     def start(self, prompt_token_ids: list[int], skip_special_tokens: bool) -> DetokState:
         if self.tokenizer is None:
             return DetokState([], 0, 0)
         context = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
-        tokens = self.tokenizer.convert_ids_to_tokens(context, skip_special_tokens=skip_special_tokens)
+        tokens = self._tokens(context, skip_special_tokens)
         return DetokState(list(tokens), 0, len(tokens))
 
     def append(self, state: DetokState, token_id: int, skip_special_tokens: bool) -> str:
         """Add one token; return the text that became final."""
         if self.tokenizer is None:
             return ""
-        new = self.tokenizer.convert_ids_to_tokens([token_id], skip_special_tokens=skip_special_tokens)
-        state.tokens.extend(new)
+        if skip_special_tokens and token_id in self._special:
+            return ""  # nothing to add: the text so far is already final
+        state.tokens.append(self.tokenizer.convert_ids_to_tokens(token_id))
         convert = self.tokenizer.convert_tokens_to_string
         prefix = convert(state.tokens[state.prefix_offset : state.read_offset])
         full = convert(state.tokens[state.prefix_offset :])
