@@ -35,7 +35,7 @@ if not triton_ops.HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
 
 from test_triton_kernels import padded_tables, ref_attention, rel_err  # noqa: E402  (also fixes the interpreter)
 
-KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 32, 4, 160
+KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 32, 16, 600
 
 
 # --- the GEMM ----------------------------------------------------------------------------------
@@ -100,22 +100,22 @@ def decode(q, layer, tables, ctx, batch_invariant=True):
 
 @pytest.fixture
 def short_splits(monkeypatch):
-    """Splits of 16 tokens, so that contexts of a few hundred tokens have many, and the longest
-    (over 16 * BI_MAX_SPLITS) have the capped count."""
-    monkeypatch.setattr(tp, "BI_SPLIT_TOKENS", 16)
+    """Splits of 128 tokens (two key tiles), so that contexts of a few hundred tokens have
+    several, and the longest (over 128 * BI_MAX_SPLITS) have the capped count."""
+    monkeypatch.setattr(tp, "BI_SPLIT_TOKENS", 128)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_row_alone_equals_the_row_in_any_batch(short_splits, dtype):
     layer = make_layer(dtype)
     g = torch.Generator().manual_seed(1)
-    target_ctx, num_heads = 150, 4
+    target_ctx, num_heads = 700, 4  # 6 splits; its batches launch more programs (up to the cap)
     q_target = torch.randn(1, num_heads, HEAD_DIM, generator=g).to(dtype)
     table = tables_for([target_ctx], seed=2)[0]
     alone = decode(q_target, layer, [table], [target_ctx])
     ref = ref_attention(q_target.float(), layer.float(), table, target_ctx, [target_ctx - 1], HEAD_DIM**-0.5)
     assert rel_err(alone, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
-    for others in ([7, 300], [1, 2, 3, 40, 0, 5, 260], [150]):  # longer (more splits, past the cap) and shorter
+    for others in ([7, 2100], [1, 2, 3, 1000, 0, 5, 260], [700]):  # longer (more splits, past the cap) and shorter
         contexts = others[: len(others) // 2] + [target_ctx] + others[len(others) // 2 :]
         where = len(others) // 2
         tables = tables_for(contexts, seed=len(contexts))
