@@ -174,3 +174,110 @@ def test_prefill_rows_do_not_depend_on_chunks_or_neighbours():
             out = tp.prefill_attention(q, layer, meta, HEAD_DIM**-0.5)
             assert torch.equal(out[qstart[1] : qstart[2]], whole[start : start + n]), (cuts, i)
             start += n
+
+
+# --- whole steps through the CUDA step path (GpuStepRunner), on the CPU ----------------------------
+def _bi_runner(monkeypatch):
+    """A tiny float32 Llama on the CUDA step path in the batch-invariant mode; its CPU runner
+    keeps ``nn.Linear`` (no native kernels), which the mode replaces by the Triton GEMM."""
+    from pdinfer.config import EngineArgs
+    from pdinfer.layers import cpu_kernels
+    from pdinfer.layers.triton_gemm import BatchInvariantLinear
+    from pdinfer.models.spec import ModelSpec
+    from pdinfer.worker.gpu_runner import GpuStepRunner
+    from pdinfer.worker.model_runner import ModelRunner
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "vocab_size": 96,
+        "max_position_embeddings": 256,
+    }
+    spec = ModelSpec.from_hf_config(config)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_kernels, "KV_DTYPES", ())  # the plain torch CPU runner
+        runner = ModelRunner(spec, "", "dummy", torch.float32, torch.device("cpu"), EngineArgs().runner_options, seed=3)
+    runner.batch_invariant = True  # what RunnerOptions(batch_invariant=True) sets on a CUDA runner
+    runner.gpu = GpuStepRunner(runner)
+    assert isinstance(runner.model.layers[0].mlp.down_proj, BatchInvariantLinear)
+    runner.init_cache(num_blocks=64, block_size=16)
+    logits: list[torch.Tensor] = []
+    compute_logits = runner.model.compute_logits
+
+    def recording(hidden):
+        out = compute_logits(hidden)
+        logits.append(out.clone())
+        return out
+
+    runner.model.compute_logits = recording
+    return runner, logits
+
+
+def _step(step_id, seqs, prompt):
+    """seqs: (token ids, first position, block table, whether this chunk is sampled)."""
+    from pdinfer.worker.step_input import SampleSpec, StepInput
+
+    ids, positions, qlens, ctxs, samples, rows = [], [], [], [], [], 0
+    for tokens, start, _, sampled in seqs:
+        ids += tokens
+        positions += range(start, start + len(tokens))
+        qlens.append(len(tokens))
+        ctxs.append(start + len(tokens))
+        rows += len(tokens)
+        if sampled:
+            samples.append(SampleSpec(row=rows - 1, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0))
+    return StepInput(
+        step_id=step_id,
+        is_prompt=prompt,
+        input_ids=ids,
+        positions=positions,
+        query_lens=qlens,
+        context_lens=ctxs,
+        block_tables=[table for _, _, table, _ in seqs],
+        samples=samples,
+    )
+
+
+def test_a_requests_logits_alone_equal_its_logits_among_others_with_its_prompt_chunked(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    # a prompt of 150 tokens (over one key tile of either kernel), then 4 decode inputs
+    tokens = torch.randint(0, 96, (154,), generator=g).tolist()
+    others = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (9, 5, 30)]
+    target_table = [17, 3, 40, 9, 22, 8, 31, 50, 12, 60]
+
+    alone, alone_logits = _bi_runner(monkeypatch)
+    steps = [_step(0, [(tokens[:150], 0, target_table, True)], True)]
+    steps += [_step(i, [(tokens[149 + i : 150 + i], 149 + i, target_table, True)], False) for i in range(1, 5)]
+    for inp in steps:
+        alone.execute(inp).wait()
+    # one row a step: the last prompt position, then four decode positions
+    reference = [rows[0] for rows in alone_logits]
+
+    mixed, mixed_logits = _bi_runner(monkeypatch)
+    tables = [[1], [6], [10, 4, 2]]
+    table = [20, 21, 23, 24, 25, 26, 27, 30, 33, 35]
+    prompt_steps = [
+        [(others[0], 0, tables[0], True), (tokens[:100], 0, table, False), (others[1], 0, tables[1], True)],
+        [(tokens[100:149], 100, table, False), (others[2][:29], 0, tables[2], False)],
+        [(others[2][29:], 29, tables[2], True), (tokens[149:150], 149, table, True)],  # one-token chunks
+    ]
+    for i, seqs in enumerate(prompt_steps):
+        mixed.execute(_step(i, seqs, True)).wait()
+    found = [mixed_logits[-1][1]]
+    for i in range(1, 5):  # decode among the others, whose contexts are longer and shorter
+        seqs = [
+            (others[0][:1], 8 + i, tables[0], True),
+            (tokens[149 + i : 150 + i], 149 + i, table, True),
+            (others[2][:1], 29 + i, tables[2], True),
+        ]
+        mixed.execute(_step(2 + i, seqs, False)).wait()
+        found.append(mixed_logits[-1][1])
+    for position, (ref, got) in enumerate(zip(reference, found), start=149):
+        assert torch.equal(ref, got), f"position {position}"
