@@ -164,6 +164,8 @@ def use_batch_invariant_linears(model: nn.Module, num_sms: int) -> int:
                 replaced += 1
     if getattr(model, "lm_head", False) is None:  # tied: logits through the embedding's weight
         embed = model.get_submodule("embed_tokens")
+        if not isinstance(embed, nn.Embedding):
+            raise ValueError(f"tied logits need an nn.Embedding, not {type(embed).__name__}")
         model.lm_head = BatchInvariantLinear(embed.weight, None, num_sms)
         replaced += 1
     return replaced
