@@ -6,6 +6,9 @@ forward and the logits; sampling stays outside (its branches depend on the batch
 The attention grid depends only on the bucket (see ``decode_num_splits``), so one graph serves
 every context length. Graphs are off for PROMPT engines and with ``enforce_eager``; MoE models
 are captured when their experts run the fused Triton path without EPLB (``gpu_runner.graph_blocker``).
+In the batch-invariant mode graphs work as they are: its kernels are all Triton (no cuBLAS
+heuristics), its decode grid is sized for the longest context a graph can meet
+(``batch_invariant_splits``), and a prompt step (even of one-token chunks) never replays one.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 
 import torch
 
-from pdinfer.layers.attention.triton_paged import GpuAttentionMetadata, decode_num_splits
+from pdinfer.layers.attention.triton_paged import GpuAttentionMetadata, batch_invariant_splits, decode_num_splits
 from pdinfer.models.loader import CausalLM
 from pdinfer.worker.cache_engine import CacheEngine
 from pdinfer.worker.gpu_input import GpuStep
@@ -28,10 +31,18 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
 class CudaGraphRunner:
     def __init__(
-        self, model: CausalLM, cache: CacheEngine, max_batch: int, max_blocks: int, num_sms: int, decode_programs: int
+        self,
+        model: CausalLM,
+        cache: CacheEngine,
+        max_batch: int,
+        max_blocks: int,
+        num_sms: int,
+        decode_programs: int,
+        batch_invariant: bool = False,
     ):
         """``decode_programs``: decode attention programs per sequence and split (``GpuInputBuilder``)."""
         self.model = model
+        self.batch_invariant = batch_invariant
         self.cache = cache
         self.num_sms = num_sms
         self.decode_programs = decode_programs
@@ -46,6 +57,8 @@ class CudaGraphRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def num_splits(self, bucket: int) -> int:
+        if self.batch_invariant:
+            return batch_invariant_splits(self.block_tables.shape[1] * self.cache.block_size)
         return decode_num_splits(bucket, self.decode_programs, None, self.num_sms)
 
     def bucket_for(self, inp: StepInput) -> int | None:
@@ -53,6 +66,8 @@ class CudaGraphRunner:
         b = inp.num_tokens
         if b == 0 or b > self.max_batch or len(inp.query_lens) != b:
             return None  # a prefill (some sequence has several tokens) or too large a batch
+        if self.batch_invariant and inp.is_prompt:
+            return None  # its rows must go through the prefill kernel
         if max(len(t) for t in inp.block_tables) > self.block_tables.shape[1]:
             return None
         return next(x for x in self.buckets if x >= b)
@@ -65,6 +80,7 @@ class CudaGraphRunner:
             self.context_lens[:b],
             num_splits=self.num_splits(b),
             num_tokens=b,
+            batch_invariant=self.batch_invariant,
         )
 
     def _forward(self, b: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 from pdinfer.layers.attention.triton_paged import (
     PREFILL_BLOCK_M,
     GpuAttentionMetadata,
+    batch_invariant_splits,
     decode_num_splits,
 )
 from pdinfer.worker.sampler import SamplingTensors, constraint_tensors
@@ -88,7 +89,8 @@ def _floats(t: torch.Tensor) -> torch.Tensor:
 class GpuInputBuilder:
     """``decode_programs``: decode attention programs per sequence and split (KV heads for dense
     attention, head groups for MLA); ``latent_cache``: an MLA model, whose prefill gathers each
-    sequence's context blocks (``GpuAttentionMetadata.context_blocks``)."""
+    sequence's context blocks (``GpuAttentionMetadata.context_blocks``); ``batch_invariant``: the
+    attention kernels of that mode (``triton_paged``), and a prompt step is always a prefill."""
 
     def __init__(
         self,
@@ -98,6 +100,7 @@ class GpuInputBuilder:
         device: torch.device,
         num_sms: int = 132,
         latent_cache: bool = False,
+        batch_invariant: bool = False,
     ):
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -105,6 +108,7 @@ class GpuInputBuilder:
         self.device = device
         self.num_sms = num_sms
         self.latent_cache = latent_cache
+        self.batch_invariant = batch_invariant
 
     def build(self, inp: StepInput, pad_to: int | None = None, num_splits: int | None = None) -> GpuStep:
         """``pad_to``/``num_splits``: the CUDA-graph batch this decode step replays with."""
@@ -112,7 +116,7 @@ class GpuInputBuilder:
         num_seqs = len(inp.query_lens)
         qlens = np.asarray(inp.query_lens, dtype=np.int64)
         ctx = np.asarray(inp.context_lens, dtype=np.int64)
-        is_decode = num_seqs > 0 and int(qlens.max()) == 1
+        is_decode = num_seqs > 0 and int(qlens.max()) == 1 and not (self.batch_invariant and inp.is_prompt)
         t = inp.num_tokens
         padded = pad_to or t
         rows_pad = padded if is_decode else num_seqs
@@ -145,7 +149,10 @@ class GpuInputBuilder:
 
         dev = p.ship(self.device)
         if prefill is None:  # a decode step
-            splits = num_splits or decode_num_splits(num_seqs, self.decode_programs, int(ctx.max()), self.num_sms)
+            if self.batch_invariant:
+                splits = num_splits or batch_invariant_splits(int(ctx.max()))
+            else:
+                splits = num_splits or decode_num_splits(num_seqs, self.decode_programs, int(ctx.max()), self.num_sms)
             meta = GpuAttentionMetadata(True, dev[i_slots], dev[i_bt], dev[i_ctx], num_splits=splits, num_tokens=padded)
         else:
             i_qs, i_ws, i_wt, num_work = prefill
@@ -162,6 +169,7 @@ class GpuInputBuilder:
             )
             if context is not None:
                 meta.context_blocks, meta.context_starts = dev[context[0]], dev[context[1]]
+        meta.batch_invariant = self.batch_invariant
         step = GpuStep(
             batch=t,
             padded=padded,

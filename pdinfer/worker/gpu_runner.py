@@ -21,6 +21,7 @@ from pdinfer.layers.attention.triton_mla import mla_decode_programs, use_triton_
 from pdinfer.layers.attention.triton_paged import use_triton_attention
 from pdinfer.layers.moe import SparseMoE
 from pdinfer.models.llama import LlamaForCausalLM
+from pdinfer.worker import batch_invariant
 from pdinfer.worker.cache_engine import CacheEngine, block_bytes
 from pdinfer.worker.gpu_input import GpuInputBuilder, GpuStep
 from pdinfer.worker.sampler import SamplerOutput, constraint_tensors, score_prompt
@@ -107,6 +108,9 @@ class GpuStepRunner:
         self.decode_programs = mla_decode_programs(self.spec.num_heads) if mla else self.spec.num_kv_heads
         props = torch.cuda.get_device_properties(self.device) if self.device.type == "cuda" else None
         self.num_sms = props.multi_processor_count if props is not None else 132
+        self.batch_invariant = runner.batch_invariant
+        if self.batch_invariant:
+            batch_invariant.prepare_gpu_model(self.model, self.num_sms)
         self.builder: GpuInputBuilder | None = None
         self.graphs: CudaGraphRunner | None = None
         self.kv_profile: dict[str, int] = {}  # the last profile_num_blocks: peak, free, ... (bytes)
@@ -120,7 +124,13 @@ class GpuStepRunner:
     def _input_builder(self, block_size: int) -> GpuInputBuilder:
         latent = self.spec.mla is not None
         return GpuInputBuilder(
-            block_size, self.spec.vocab_size, self.decode_programs, self.device, self.num_sms, latent_cache=latent
+            block_size,
+            self.spec.vocab_size,
+            self.decode_programs,
+            self.device,
+            self.num_sms,
+            latent_cache=latent,
+            batch_invariant=self.batch_invariant,
         )
 
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
@@ -132,7 +142,9 @@ class GpuStepRunner:
             return
         cache = self.runner.require_cache()
         max_blocks = -(-max_model_len // cache.block_size)
-        self.graphs = CudaGraphRunner(self.model, cache, max_batch, max_blocks, self.num_sms, self.decode_programs)
+        self.graphs = CudaGraphRunner(
+            self.model, cache, max_batch, max_blocks, self.num_sms, self.decode_programs, self.batch_invariant
+        )
         self.graphs.capture()
 
     # --- one step ----------------------------------------------------------------------------

@@ -17,6 +17,13 @@ scale, clamps to e4m3's range and rounds (round to nearest even); the attention 
 the loaded tiles to the query's dtype (exact: every e4m3 value is a bf16/fp16/fp32 value), fold
 the K scale into ``qk_scale`` (the wrapper does) and multiply the output by the V scale.
 
+The batch-invariant mode (``triton_paged``'s ``batch_invariant`` arguments) sets two constexpr
+flags: ``SPLIT_TOKENS`` > 0 makes decode's split count a function of the context alone (grid and
+partial buffers stay batch-shaped; splits past a context's count store nothing and are not
+merged), and ``MASK_EVERY_TILE`` runs every key tile of prefill through the masked code, so a
+key tile is reduced by the same instructions whichever query tile, and so whichever chunk, a row
+sits in.
+
 Defined only where Triton is installed (``HAS_TRITON``); the module imports without it.
 """
 
@@ -96,12 +103,17 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr,
         PRECISION: tl.constexpr,
         KV_FP8: tl.constexpr = False,
+        SPLIT_TOKENS: tl.constexpr = 0,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         ctx = tl.load(ctx_ptr + b)
-        split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        if SPLIT_TOKENS > 0:  # batch-invariant: the context alone sets its splits
+            count = tl.maximum(tl.minimum(tl.cdiv(ctx, SPLIT_TOKENS), NUM_SPLITS), 1)
+            split_len = tl.cdiv(tl.cdiv(ctx, count), BLOCK_N) * BLOCK_N
+        else:
+            split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
         start = split * split_len
         end = tl.minimum(start + split_len, ctx)
 
@@ -154,6 +166,9 @@ if HAS_TRITON:
         else:
             # partials [B, H, NUM_SPLITS, D] and (max, sum) [B, H, NUM_SPLITS, 2], contiguous
             row = (b64 * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+            if SPLIT_TOKENS > 0:  # a split past the context's count: nothing to store
+                gmask = gmask & (g * 0 + split < count)
+                omask = gmask[:, None] & dmask[None, :]
             tl.store(part_acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=omask)
             tl.store(part_ml_ptr + row * 2, m_i, mask=gmask)
             tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=gmask)
@@ -163,25 +178,34 @@ if HAS_TRITON:
         part_acc_ptr,
         part_ml_ptr,
         out_ptr,
+        ctx_ptr,
         stride_ot,
         stride_oh,
         num_heads,
         HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        SPLIT_TOKENS: tl.constexpr = 0,
     ):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         sp = tl.arange(0, NUM_SPLITS)
         d = tl.arange(0, D_PAD)
         row = (b * num_heads + h) * NUM_SPLITS + sp
-        m = tl.load(part_ml_ptr + row * 2)
-        l_s = tl.load(part_ml_ptr + row * 2 + 1)
+        if SPLIT_TOKENS > 0:  # batch-invariant: the context's own splits only (as decode_kernel)
+            ctx = tl.load(ctx_ptr + b)
+            valid = sp < tl.maximum(tl.minimum(tl.cdiv(ctx, SPLIT_TOKENS), NUM_SPLITS), 1)
+            m = tl.load(part_ml_ptr + row * 2, mask=valid, other=float("-inf"))
+            l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=valid, other=0.0)
+            acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + d[None, :], mask=valid[:, None], other=0.0)
+        else:
+            m = tl.load(part_ml_ptr + row * 2)
+            l_s = tl.load(part_ml_ptr + row * 2 + 1)
+            acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + d[None, :])
         m_max = tl.max(m, axis=0)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a padding row: no keys at all
         w = tl.math.exp2(m - m_max)
         den = tl.sum(w * l_s, axis=0)
-        acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + d[None, :])
         num = tl.sum(w[:, None] * acc, axis=0)
         out = num / tl.maximum(den, 1e-30)
         tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
@@ -262,6 +286,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
         KV_FP8: tl.constexpr = False,
+        MASK_EVERY_TILE: tl.constexpr = False,
     ):
         # the tiles of one head are launched together: they read the same keys (measured faster
         # than launching the query heads of one K/V head together)
@@ -293,7 +318,10 @@ if HAS_TRITON:
         bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
         # keys before the tile's first query position are visible to every row: no mask
         first_q = prefix + tile * BLOCK_M
-        unmasked_end = (first_q // BLOCK_N) * BLOCK_N
+        if MASK_EVERY_TILE:  # batch-invariant: one code path for every key tile (module docstring)
+            unmasked_end = first_q * 0
+        else:
+            unmasked_end = (first_q // BLOCK_N) * BLOCK_N
         hi = tl.minimum(ctx, first_q + BLOCK_M)
         acc, m_i, l_i = _prefill_tile(
             q,

@@ -20,6 +20,22 @@ An FP8 cache (``float8_e4m3fn``, ``kv_cache_dtype="fp8"``) takes the same kernel
 ``KV_FP8`` set: quantized on write, dequantized in registers on read, with the layer's static K
 and V scales (``layers/fp8.py`` says why static, and 1.0).
 
+The batch-invariant mode (``EngineArgs(batch_invariant=True)``, ``GpuAttentionMetadata.
+batch_invariant``) keeps a row's reduction order free of its batch and of how its prompt was
+chunked:
+- decode: a context of ``ctx`` tokens is cut into ``min(BI_MAX_SPLITS, ceil(ctx /
+  BI_SPLIT_TOKENS))`` splits (of ``BLOCK_N``-rounded equal length), whatever the batch; the merge
+  reads those splits only, in one fixed-shape reduction. The grid's split dimension
+  (``batch_invariant_splits``: from the longest context of the step, or of the model for a CUDA
+  graph) only has to be large enough: a program past its row's count stores nothing.
+- prefill: every key tile goes through the masked code path (``MASK_EVERY_TILE``); key tiles
+  start at multiples of ``BLOCK_N`` from the first key whatever the chunk, and a tile entirely
+  after a row's position adds exact zeros to it, so a row's keys are reduced alike in any chunk.
+  In this mode a prompt step always runs the prefill kernel, even when all its chunks are one
+  token long (the default mode runs such a step as a decode).
+A prompt row and the decode row of the same position still reduce differently (two kernels),
+as on the CPU; a sequence recomputed after preemption may therefore change its last bits.
+
 The ``@triton.jit`` kernels live in ``triton_kernels``; this module holds the per-step metadata,
 the launch settings and wrappers, and the backend class.
 """
@@ -44,7 +60,7 @@ class GpuAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset); -1 = no write
     block_tables: torch.Tensor  # [S, max_blocks] int
     context_lens: torch.Tensor  # [S] int: cached prefix + this step's tokens
-    num_splits: int = 1  # decode: KV splits per sequence (flash-decoding)
+    num_splits: int = 1  # decode: KV splits per sequence (flash-decoding); the grid's in batch_invariant
     query_start: torch.Tensor | None = None  # prefill: [S + 1] cumulative query rows
     work_seq: torch.Tensor | None = None  # prefill: [W] sequence of each query tile
     work_tile: torch.Tensor | None = None  # prefill: [W] tile index inside its sequence
@@ -54,6 +70,7 @@ class GpuAttentionMetadata:
     # sequence ([NB]), and the first token row of each sequence's context among them ([S])
     context_blocks: torch.Tensor | None = None
     context_starts: torch.Tensor | None = None
+    batch_invariant: bool = False  # the mode's kernels (module docstring)
 
 
 PREFILL_BLOCK_M = 128  # query rows per prefill program; the metadata builder tiles with it
@@ -74,6 +91,17 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int | None = N
     if max_context is not None:
         splits = min(splits, next_pow2(max(1, -(-max_context // 256))))
     return max(1, splits)
+
+
+# The batch-invariant decode: splits of about this many tokens, at most this many per context.
+BI_SPLIT_TOKENS = 512
+BI_MAX_SPLITS = 16
+
+
+def batch_invariant_splits(max_context: int) -> int:
+    """The split dimension of a batch-invariant decode grid whose longest context is
+    ``max_context``: every row's own split count fits in it (the count is the row's alone)."""
+    return max(1, min(BI_MAX_SPLITS, -(-max_context // BI_SPLIT_TOKENS)))
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -134,9 +162,12 @@ def decode_attention(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """q [B, H, D] (one query per sequence) -> out [B, H, D]; ``k_scale``/``v_scale``: an FP8
-    cache's dequantization scales."""
+    cache's dequantization scales. ``batch_invariant``: each row's splits from its context alone;
+    ``num_splits`` is then the grid's split dimension, at least ``batch_invariant_splits`` of the
+    longest context."""
     b, h, dim = q.shape
     c = layer_cache
     kvh = c.shape[3]
@@ -146,7 +177,9 @@ def decode_attention(
         out = torch.empty((b, h, dim), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    part_acc, part_ml = split_buffers(out, num_splits, d_pad)
+    splits = BI_MAX_SPLITS if batch_invariant else num_splits  # the partial buffers' and the merge's
+    split_tokens = BI_SPLIT_TOKENS if batch_invariant else 0
+    part_acc, part_ml = split_buffers(out, splits, d_pad)
     cfg = DECODE_CONFIG
     block_n = cfg["block_n"] if d_pad <= 128 else 32
     kernels.decode_kernel[(b, kvh, num_splits)](
@@ -174,13 +207,14 @@ def decode_attention(
         D_PAD=d_pad,
         BLOCK_SIZE=c.shape[2],
         BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
+        NUM_SPLITS=splits,
         PRECISION=_precision(q),
         KV_FP8=is_fp8(c),
+        SPLIT_TOKENS=split_tokens,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    merge_splits(part_acc, part_ml, out, num_splits, d_pad)
+    merge_splits(part_acc, part_ml, out, splits, d_pad, context_lens if batch_invariant else None)
     return out
 
 
@@ -194,8 +228,16 @@ def split_buffers(out: torch.Tensor, num_splits: int, d_pad: int) -> tuple[torch
     return acc, torch.empty((b, h, num_splits, 2), dtype=torch.float32, device=out.device)
 
 
-def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, num_splits: int, d_pad: int) -> None:
-    """Joins the splits of a decode into ``out`` [b, h, dim] (nothing to do for one split)."""
+def merge_splits(
+    part_acc: torch.Tensor,
+    part_ml: torch.Tensor,
+    out: torch.Tensor,
+    num_splits: int,
+    d_pad: int,
+    context_lens: torch.Tensor | None = None,
+) -> None:
+    """Joins the splits of a decode into ``out`` [b, h, dim] (nothing to do for one split).
+    ``context_lens``: the batch-invariant decode, whose rows have their own split counts."""
     if num_splits <= 1:
         return
     b, h, dim = out.shape
@@ -203,12 +245,14 @@ def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tenso
         part_acc,
         part_ml,
         out,
+        context_lens if context_lens is not None else part_ml,
         out.stride(0),
         out.stride(1),
         h,
         HEAD_DIM=dim,
         D_PAD=d_pad,
         NUM_SPLITS=num_splits,
+        SPLIT_TOKENS=BI_SPLIT_TOKENS if context_lens is not None else 0,
         num_warps=4,
     )
 
@@ -268,6 +312,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         PRECISION=_precision(q),
         KV_FP8=is_fp8(c),
+        MASK_EVERY_TILE=meta.batch_invariant,
         num_warps=warps,
         num_stages=stages,
     )
@@ -295,7 +340,16 @@ class TritonPagedAttention:
         out = torch.empty((q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         if meta.is_decode:
             return decode_attention(
-                q, layer_cache, meta.block_tables, meta.context_lens, self.scale, meta.num_splits, out, ks, vs
+                q,
+                layer_cache,
+                meta.block_tables,
+                meta.context_lens,
+                self.scale,
+                meta.num_splits,
+                out,
+                ks,
+                vs,
+                meta.batch_invariant,
             )
         return prefill_attention(q, layer_cache, meta, self.scale, out, ks, vs)
 
