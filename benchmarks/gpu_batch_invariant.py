@@ -235,7 +235,7 @@ def main() -> None:
     broken = [
         r["scenario"]
         for key, results in fig.items()
-        if key.endswith(":invariant")
+        if key.startswith("invariance:") and key.endswith(":invariant")
         for r in results
         if not (r["identical"] and r["same_positions"] and r["tokens_equal"] and r["prompt_logprobs_equal"])
     ]
