@@ -97,6 +97,7 @@ class OutputTracker:
         self.show_token_ids = show_token_ids or params.logprobs is not None
         self.choices: dict[int, _Choice] = {}
         self.engine_finished = False
+        self._finished = False
         self.error: str | None = None
         self.num_cached_tokens = 0
         self.prompt_logprobs: PromptLogprobs | None = None  # once the engine computed the prompt
@@ -109,9 +110,15 @@ class OutputTracker:
 
     @property
     def finished(self) -> bool:
-        if self.engine_finished:
-            return True
-        return len(self.choices) >= self.params.n and all(c.finish_reason for c in self.choices.values())
+        """The engine ended the request, or every output has ended (a stop string, here)."""
+        return self._finished
+
+    def _update_finished(self) -> None:
+        # Outputs end only in ``apply`` and ``fail``, so they recompute this; reading it (several
+        # times a step for every request) stays a field access.
+        self._finished = self.engine_finished or (
+            len(self.choices) >= self.params.n and all(c.finish_reason for c in self.choices.values())
+        )
 
     @property
     def num_output_tokens(self) -> int:
@@ -140,6 +147,7 @@ class OutputTracker:
             self.error = delta.error
         if self.first_token_time is None and self.num_output_tokens:
             self.first_token_time = time.monotonic()
+        self._update_finished()
         if self.finished and self.finished_time is None:
             self.finished_time = time.monotonic()
         return stopped
@@ -199,6 +207,7 @@ class OutputTracker:
         for choice in self.choices.values():
             if choice.finish_reason is None:
                 choice.finish_reason = "error"
+        self._update_finished()
         if self.finished_time is None:
             self.finished_time = time.monotonic()
 
