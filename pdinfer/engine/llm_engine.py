@@ -98,7 +98,9 @@ class LLMEngine:
             self.num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
         )
         # Speculative decoding: NORMAL and COMPLETION only (None on a PE or when off).
-        self.draft_pool = build_draft_pool(engine_args, hf_config, self.model_runner.model, self.device)
+        self.draft_pool = build_draft_pool(
+            engine_args, hf_config, self.model_runner, self.num_blocks, self.cache_config.block_size
+        )
         self.scheduler = Scheduler(
             self.scheduler_config, self.block_manager, dp_group, self._state_manager(), self.draft_pool
         )

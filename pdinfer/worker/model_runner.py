@@ -64,6 +64,7 @@ class ModelRunner:
         expert_group: TorchExpertGroup | None = None,
     ):
         self.spec = spec
+        self.folder = folder
         self.dtype = dtype
         self.device = device
         self.moe_layers: list[SparseMoE] = []  # sharded sparse layers (expert parallelism, EPLB)
@@ -104,6 +105,9 @@ class ModelRunner:
                 self.model.decode_stack = DecodeStack.build(self.model, self.native_kernels, self.batch_invariant)
         self.sampler = Sampler()
         self.cache: CacheEngine | None = None
+        # A hidden-state drafter (MTP) reads every row's last-layer hidden state: the last
+        # layer then computes all rows, and ``StepResult.hidden`` carries them (CPU only).
+        self.keep_hidden = False
         # Sampled tokens of the last few steps, on the device, by step id (zero-overhead
         # scheduling feeds them to the next step before the host has seen them).
         self._recent: OrderedDict[int, torch.Tensor] = OrderedDict()
@@ -194,11 +198,15 @@ class ModelRunner:
             self._fill_pending(input_ids, inp)
         positions = torch.tensor(inp.positions, dtype=torch.int64, device=self.device)
         keep = [s.row for s in inp.samples] + inp.prompt_rows
+        rows = list(range(inp.num_tokens)) if self.keep_hidden else keep
         # Not with expert parallelism: every rank must run the same number of forwards.
         if inp.is_prompt and inp.num_tokens > PREFILL_SUBBATCH_TOKENS and self.dispatcher is None:
-            hidden = self._prefill_in_subbatches(inp, input_ids, positions, keep)
+            hidden = self._prefill_in_subbatches(inp, input_ids, positions, rows)
         else:
-            hidden = self._forward(inp, input_ids, positions, keep)
+            hidden = self._forward(inp, input_ids, positions, rows)
+        every_row = None
+        if self.keep_hidden:
+            every_row, hidden = hidden, hidden[torch.tensor(keep, dtype=torch.int64, device=self.device)]
         num_samples = len(inp.samples)
         logits = self.model.compute_logits(hidden[:num_samples])
         if inp.masks_later is not None:
@@ -213,7 +221,9 @@ class ModelRunner:
         self._recent[inp.step_id] = out.token_ids
         while len(self._recent) > 4:
             self._recent.popitem(last=False)
-        return _to_host(inp.step_id, out)
+        result = _to_host(inp.step_id, out)
+        result.hidden = every_row
+        return result
 
     def _empty_moe_step(self) -> None:
         """A step without tokens still runs every sparse layer, in order, on zero rows."""
