@@ -235,11 +235,17 @@ def test_mtp_forward_and_drafts_match_reference(case, monkeypatch):
         for got, ref in zip(seen_logits, ref_logits):
             assert float((got[0] - ref).norm() / ref.norm()) < 1e-4
     drafter.forget(seq)
-    # a context that starts at position 10 (a prefix-cache hit or a CE): the reference sees the same window
+    # a context that starts at position 10 (a prefix-cache hit or a CE), in blocks holding other
+    # entries before it: the reference sees the same window
     other = Sequence("s", tokens[:30], SamplingParams(), seed=0)
-    other.block_table = list(range(40, 43))
+    other.block_table = list(seq.block_table)
     drafter.observe(other, 10, hidden[10:29])
-    assert drafter.draft(other, K) == case.drafts(tokens[:30], K, start=10)[0]
+    seen_logits.clear()
+    drafts = drafter.draft(other, K)
+    ref_drafts, ref_logits = case.drafts(tokens[:30], K, start=10)
+    assert drafts == ref_drafts
+    for got, ref in zip(seen_logits, ref_logits):
+        assert float((got[0] - ref).norm() / ref.norm()) < 1e-4
     drafter.forget(other)
     assert drafter.num_tracked == 0
 
