@@ -49,7 +49,9 @@ def build_draft_pool(
     return DraftPool(drafter, args.max_num_seqs, args.num_draft_tokens)
 
 
-def _mtp_drafter(args: EngineArgs, hf_config: dict[str, Any], runner: ModelRunner, num_blocks: int, block_size: int):
+def _mtp_drafter(
+    args: EngineArgs, hf_config: dict[str, Any], runner: ModelRunner, num_blocks: int, block_size: int
+) -> Drafter:
     layers = int(hf_config.get("num_nextn_predict_layers") or 0)
     spec = runner.spec
     if not layers or spec.mla is None or spec.moe is None:
@@ -61,9 +63,12 @@ def _mtp_drafter(args: EngineArgs, hf_config: dict[str, Any], runner: ModelRunne
         )
     if runner.moe_layers:
         raise ValueError("speculative_method='mtp' does not run with expert parallelism or redundant experts yet")
+    from pdinfer.models.decoder import DecoderLM
     from pdinfer.models.deepseek_mtp import build_mtp
     from pdinfer.worker.mtp_drafter import MTPDrafter
 
+    if not isinstance(runner.model, DecoderLM):  # the checks above admit DeepSeek only
+        raise TypeError(f"an MTP layer drafts for a DeepSeek model, not {type(runner.model).__name__}")
     mtp = build_mtp(spec, runner.folder, args.load_format, runner.dtype, runner.device, args.seed)
     return MTPDrafter(mtp, runner.model, num_blocks, block_size, args.num_draft_tokens)
 

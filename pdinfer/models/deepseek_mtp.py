@@ -28,7 +28,7 @@ from torch import nn
 
 from pdinfer.layers.moe import SparseMoE
 from pdinfer.models.checkpoint import GATE_UP, load_checkpoint
-from pdinfer.models.decoder import MoEDecoderLayer
+from pdinfer.models.decoder import DecoderLM, MoEDecoderLayer
 from pdinfer.models.deepseek import MLAttention
 from pdinfer.models.llama import MLP, RMSNorm
 from pdinfer.models.spec import ModelSpec
@@ -73,7 +73,7 @@ class DeepseekMTP(nn.Module):
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
         return self.layers[0](x, cos, sin, kv_cache, meta, keep_rows)
 
-    def compute_logits(self, hidden: torch.Tensor, main: nn.Module) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, main: DecoderLM) -> torch.Tensor:
         """Float32 logits through the shared head (or the main model's output projection)."""
         hidden = self.shared_head.norm(hidden)
         head = self.shared_head.head

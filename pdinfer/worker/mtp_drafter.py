@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdinfer.layers.attention.mla import MLAMetadata, MLASeq
+from pdinfer.models.decoder import DecoderLM
 from pdinfer.models.deepseek_mtp import DeepseekMTP
 from pdinfer.sequence import Sequence
 
@@ -61,7 +62,7 @@ class MTPDrafter:
     def __init__(
         self,
         mtp: DeepseekMTP,
-        main: torch.nn.Module,
+        main: DecoderLM,
         num_blocks: int,
         block_size: int,
         max_draft_tokens: int,
