@@ -179,11 +179,11 @@ def _prompts(lengths, seed: int = 1) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _llm(case: MTPCase, monkeypatch, zos: bool = True, spec: bool = True) -> LLM:
+def _llm(case: MTPCase, monkeypatch, zos: bool = True, spec: bool = True, num_blocks: int = 64) -> LLM:
     monkeypatch.setenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", "1" if zos else "0")
     monkeypatch.delitem(env._role_defaults, "PDINFER_ZERO_OVERHEAD_SCHEDULING", raising=False)
     extra = dict(speculative_method="mtp", num_draft_tokens=K) if spec else {}
-    llm = LLM(model=case.folder, num_kv_blocks=64, **extra)
+    llm = LLM(model=case.folder, num_kv_blocks=num_blocks, **extra)
     assert llm.engine.zero_overhead is zos
     return llm
 
@@ -250,6 +250,22 @@ def test_mtp_forward_and_drafts_match_reference(case, monkeypatch):
     assert drafter.num_tracked == 0
 
 
+def test_hidden_states_past_the_cap_restart_the_context(case, monkeypatch):
+    """A sequence that does not draft for long keeps at most ``max_pending_rows`` hidden states;
+    its MTP context then starts after the dropped ones (the reference with the same window)."""
+    llm = _llm(case, monkeypatch)
+    drafter = llm.engine.draft_pool.drafter
+    monkeypatch.setattr(drafter, "max_pending_rows", 8)
+    tokens = _prompts((21,), seed=5)[0]
+    hidden = case.main_hidden(tokens)
+    seq = Sequence("r", tokens, SamplingParams(), seed=0)
+    seq.block_table = [40, 41]
+    for first in range(0, 20, 5):  # rows of positions 0..19 in steps of 5: the cap drops some each time
+        drafter.observe(seq, first, hidden[first : first + 5])
+    assert drafter.draft(seq, K) == case.drafts(tokens, K, start=12)[0]
+    drafter.forget(seq)
+
+
 def test_engine_drafts_are_the_reference_drafts(case, monkeypatch):
     """In the engine (prefill, then verifying steps with rollback), every draft the MTP drafter
     proposed is what the reference MTP proposes after the same tokens."""
@@ -265,14 +281,17 @@ def test_engine_drafts_are_the_reference_drafts(case, monkeypatch):
 
 
 # --- output equals output without speculation -------------------------------------------------------
-@pytest.mark.parametrize("zos", [True, False])
-def test_greedy_equals_no_speculation(case, monkeypatch, zos):
+@pytest.mark.parametrize(("zos", "num_blocks"), [(True, 64), (False, 64), (True, 9)])
+def test_greedy_equals_no_speculation(case, monkeypatch, zos, num_blocks):
+    """With and without zero-overhead scheduling; with 9 blocks, sequences are preempted and
+    recomputed (their MTP context restarts with their new prefill)."""
     prompts = _prompts((5, 23, 70))
     expected = _generate(_llm(case, monkeypatch, zos, spec=False), prompts)
-    llm = _llm(case, monkeypatch, zos)
+    llm = _llm(case, monkeypatch, zos, num_blocks=num_blocks)
     assert _generate(llm, prompts) == expected
     pool = llm.engine.draft_pool
     assert pool.num_drafted_tokens > 0
+    assert (llm.engine.scheduler.num_preemptions > 0) == (num_blocks < 64)
     assert pool.drafter.num_tracked == 0
     assert_blocks_back(llm.engine)
 
@@ -287,6 +306,7 @@ def test_bigram_copy_drafts_are_accepted(bigram, monkeypatch):
     assert _generate(llm, prompts) == expected
     pool = llm.engine.draft_pool
     assert pool.num_drafted_tokens >= 8
+    print("bigram copy:", pool.stats())
     assert pool.acceptance_rate > 0.95, pool.stats()
     assert_blocks_back(llm.engine)
 
