@@ -284,8 +284,10 @@ def test_engine_drafts_are_the_reference_drafts(case, monkeypatch):
 @pytest.mark.parametrize(("zos", "num_blocks"), [(True, 64), (False, 64), (True, 9)])
 def test_greedy_equals_no_speculation(case, monkeypatch, zos, num_blocks):
     """With and without zero-overhead scheduling; with 9 blocks, sequences are preempted and
-    recomputed (their MTP context restarts with their new prefill)."""
+    recomputed (their MTP context restarts with their new prefill). A prompt that extends
+    another hits the prefix cache (its MTP context starts after the hit)."""
     prompts = _prompts((5, 23, 70))
+    prompts.append(prompts[2] + prompts[0])
     expected = _generate(_llm(case, monkeypatch, zos, spec=False), prompts)
     llm = _llm(case, monkeypatch, zos, num_blocks=num_blocks)
     assert _generate(llm, prompts) == expected
@@ -293,6 +295,25 @@ def test_greedy_equals_no_speculation(case, monkeypatch, zos, num_blocks):
     assert pool.num_drafted_tokens > 0
     assert (llm.engine.scheduler.num_preemptions > 0) == (num_blocks < 64)
     assert pool.drafter.num_tracked == 0
+    assert_blocks_back(llm.engine)
+
+
+def test_seeded_sampling_and_n_equal_no_speculation(case, monkeypatch):
+    """Sampled drafts follow the (seed, position)-keyed rule, so seeded outputs, n = 2 forks
+    included (whose blocks are copied on write under their MTP entries), equal those without
+    speculation."""
+    prompts = _prompts((12, 30), seed=7)
+    params = SamplingParams(temperature=0.8, top_k=20, seed=11, n=2, max_tokens=16, ignore_eos=True)
+
+    def outputs(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs]
+
+    expected = outputs(_llm(case, monkeypatch, spec=False))
+    llm = _llm(case, monkeypatch)
+    assert outputs(llm) == expected
+    assert llm.engine.draft_pool.num_drafted_tokens > 0
+    assert llm.engine.draft_pool.drafter.num_tracked == 0
     assert_blocks_back(llm.engine)
 
 
