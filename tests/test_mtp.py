@@ -367,6 +367,20 @@ def test_pd_pair_drafts_on_the_ce_only(case, monkeypatch):
         ce.shutdown()
 
 
+def test_the_mtp_cache_is_counted_in_the_kv_budget(case):
+    """The MTP layer's latent cache is one more layer per block: the memory left next to the
+    activations buys blocks of 3/2 the main cache's bytes (a model of 2 layers)."""
+    budget = 512 << 20
+    plain = LLM(model=case.folder, kv_cache_memory=budget).engine
+    mtp = LLM(model=case.folder, kv_cache_memory=budget, speculative_method="mtp").engine
+    sc = plain.scheduler_config
+    room = budget - plain.model_runner.activation_bytes(sc.max_num_batched_tokens, sc.max_num_seqs)
+    per_block = plain.model_runner.require_cache().bytes_per_block  # 2 layers of latent vectors
+    assert plain.num_blocks == room // per_block
+    assert mtp.num_blocks == room // (per_block * 3 // 2)
+    assert mtp.draft_pool.drafter.kv.shape[0] == mtp.num_blocks + len(mtp.draft_pool.drafter.scratch)
+
+
 def test_refusals(case, tmp_path):
     """A DeepSeek-V3 config naming an MTP layer whose tensors transformers dropped is refused."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM

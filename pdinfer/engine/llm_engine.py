@@ -35,7 +35,7 @@ from pdinfer.engine.kv_store_agent import KVStoreAgent
 from pdinfer.engine.output_processor import OutputProcessor
 from pdinfer.engine.output_tracker import OutputTracker
 from pdinfer.engine.request import RequestState
-from pdinfer.engine.speculative import build_draft_pool
+from pdinfer.engine.speculative import build_draft_pool, mtp_cache_layers
 from pdinfer.engine.step_builder import StepBuilder
 from pdinfer.engine.step_log import StepLog
 from pdinfer.engine_type import EngineType
@@ -157,6 +157,7 @@ class LLMEngine:
                 self.engine_type.sizes_for_decode,
                 gpu_memory_utilization=cc.gpu_memory_utilization,
                 graphs=self.use_cuda_graph,
+                extra_layers=mtp_cache_layers(self.args),
             )
         self.model_runner.init_cache(self.num_blocks, cc.block_size)
         if self.engine_type is not EngineType.NORMAL:

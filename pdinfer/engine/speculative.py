@@ -49,6 +49,12 @@ def build_draft_pool(
     return DraftPool(drafter, args.max_num_seqs, args.num_draft_tokens)
 
 
+def mtp_cache_layers(args: EngineArgs) -> int:
+    """Cache layers the engine's drafter adds per block: the MTP layer's latent cache, where
+    an engine drafts with it (counted when the KV memory is divided into blocks)."""
+    return int(args.speculative_method == "mtp" and args.role.drafts_tokens)
+
+
 def _mtp_drafter(
     args: EngineArgs, hf_config: dict[str, Any], runner: ModelRunner, num_blocks: int, block_size: int
 ) -> Drafter:

@@ -128,16 +128,19 @@ class ModelRunner:
         decode: bool,
         gpu_memory_utilization: float = 0.9,
         graphs: bool = True,
+        extra_layers: int = 0,
     ) -> int:
         """KV blocks that fit next to the peak activations of the largest step: ``tokens``
         tokens with ``rows`` logit rows, a decode step or not (the engine's role decides);
-        ``graphs``: room is kept for CUDA graphs (an engine that captures them)."""
+        ``graphs``: room is kept for CUDA graphs (an engine that captures them);
+        ``extra_layers``: cache layers outside the model's (the MTP drafter's), per block."""
         if self.gpu is not None:  # measured: a dummy step of this shape, real peak memory
             return self.gpu.profile_num_blocks(block_size, tokens, rows, decode, gpu_memory_utilization, graphs)
         peak = self.activation_bytes(tokens, rows)
         if self.dispatcher is not None:  # the all-to-all buffers, sized by the role's MoE workspace
             peak += self.dispatcher.workspace_bytes
-        per_block = block_bytes(self.spec, block_size, self.dtype)
+        layers = self.spec.num_layers
+        per_block = block_bytes(self.spec, block_size, self.dtype) * (layers + extra_layers) // layers
         num_blocks = (memory_bytes - peak) // per_block
         if num_blocks < 1:
             raise ValueError(
