@@ -194,19 +194,34 @@ def _generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _record_drafts(drafter) -> list[tuple[list[int], list[int]]]:
-    """Wrap ``drafter.draft``: every (tokens, drafts) it answers with drafts."""
+def _record_drafts(drafter, logits: list | None = None) -> list[tuple[list[int], list[int]]]:
+    """Wrap ``drafter.draft``: every (tokens, drafts) it answers with drafts; with ``logits``,
+    each such call's MTP logits go there too (one list per call)."""
     calls: list[tuple[list[int], list[int]]] = []
-    inner = drafter.draft
+    inner, inner_logits = drafter.draft, drafter.mtp.compute_logits
+    seen: list[torch.Tensor] = []
+
+    def compute_logits(hidden, main):
+        seen.append(inner_logits(hidden, main))
+        return seen[-1]
 
     def draft(seq, k):
+        seen.clear()
         drafts = inner(seq, k)
         if drafts:
             calls.append((list(seq.token_ids), drafts))
+            if logits is not None:
+                logits.append(list(seen))
         return drafts
 
     drafter.draft = draft
+    if logits is not None:
+        drafter.mtp.compute_logits = compute_logits
     return calls
+
+
+def _same_logits(got: list[torch.Tensor], ref: list[torch.Tensor]) -> bool:
+    return len(got) == len(ref) and all(float((g[0] - r).norm() / r.norm()) < 1e-4 for g, r in zip(got, ref))
 
 
 # --- the MTP layer against the reference (no scheduler) ---------------------------------------------
@@ -266,16 +281,40 @@ def test_hidden_states_past_the_cap_restart_the_context(case, monkeypatch):
     drafter.forget(seq)
 
 
+def test_sequences_that_do_not_draft_keep_their_context(case, monkeypatch):
+    """In a batch too large to draft, a sequence's MTP entries are written in chunks
+    (``catch_up``), not dropped past the cap: once the batch shrinks, its drafts are the
+    reference's over its whole context."""
+    llm = _llm(case, monkeypatch)
+    pool, drafter = llm.engine.draft_pool, llm.engine.draft_pool.drafter
+    monkeypatch.setattr(pool, "max_batch", 1)  # two sequences: no drafts until one finishes
+    monkeypatch.setattr(drafter, "catch_up_rows", 4)
+    monkeypatch.setattr(drafter, "max_pending_rows", 16)  # < the 5 + 20 rows waiting otherwise
+    logits: list[list[torch.Tensor]] = []
+    calls = _record_drafts(drafter, logits)
+    prompts = _prompts((5, 12), seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (36, 20)]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert calls and all(len(tokens) > 5 + 20 for tokens, _ in calls)  # only after the other finished
+    for (tokens, drafts), got in zip(calls, logits):
+        ref_drafts, ref_logits = case.drafts(tokens, len(drafts))
+        assert drafts == ref_drafts and _same_logits(got, ref_logits), f"after {len(tokens)} tokens"
+    assert drafter.num_tracked == 0
+    assert_blocks_back(llm.engine)
+
+
 def test_engine_drafts_are_the_reference_drafts(case, monkeypatch):
     """In the engine (prefill, then verifying steps with rollback), every draft the MTP drafter
     proposed is what the reference MTP proposes after the same tokens."""
     llm = _llm(case, monkeypatch)
-    calls = _record_drafts(llm.engine.draft_pool.drafter)
+    logits: list[list[torch.Tensor]] = []
+    calls = _record_drafts(llm.engine.draft_pool.drafter, logits)
     prompts = _prompts((7, 33))
     _generate(llm, prompts)
     assert len(calls) >= 8
-    for tokens, drafts in calls:
-        assert drafts == case.drafts(tokens, len(drafts))[0], f"after {len(tokens)} tokens"
+    for (tokens, drafts), got in zip(calls, logits):
+        ref_drafts, ref_logits = case.drafts(tokens, len(drafts))
+        assert drafts == ref_drafts and _same_logits(got, ref_logits), f"after {len(tokens)} tokens"
     assert llm.engine.draft_pool.drafter.num_tracked == 0
     assert_blocks_back(llm.engine)
 
@@ -351,14 +390,16 @@ def test_pd_pair_drafts_on_the_ce_only(case, monkeypatch):
     pe, ce = PrefillEngine(args("prompt")), CompletionEngine(args("completion"))
     try:
         assert pe.draft_pool is None and not pe.model_runner.keep_hidden
-        calls = _record_drafts(ce.draft_pool.drafter)
+        logits: list[list[torch.Tensor]] = []
+        calls = _record_drafts(ce.draft_pool.drafter, logits)
         outs = PDPair(pe, ce).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert calls and ce.draft_pool.num_drafted_tokens > 0
         prompt_len = {len(p) for p in prompts}
-        for tokens, drafts in calls[:6]:  # the CE's MTP context starts at the first decode position
-            start = next(n for n in prompt_len if tokens[:n] in prompts)
-            assert drafts == case.drafts(tokens, len(drafts), start=start)[0]
+        for (tokens, drafts), got in list(zip(calls, logits))[:6]:
+            start = next(n for n in prompt_len if tokens[:n] in prompts)  # the first decode position
+            ref_drafts, ref_logits = case.drafts(tokens, len(drafts), start=start)
+            assert drafts == ref_drafts and _same_logits(got, ref_logits)
         assert ce.draft_pool.drafter.num_tracked == 0
         for engine in (pe, ce):
             assert engine.get_num_free_blocks() == engine.num_blocks

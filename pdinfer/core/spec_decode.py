@@ -32,7 +32,8 @@ class Drafter(Protocol):
 
     A drafter that reads the target model's hidden states (MTP, ``worker/mtp_drafter.py``) sets
     ``needs_hidden_states``: the engine then hands it every step's last-layer hidden states of
-    the positions whose next token is known (``observe``). ``forget`` drops what it keeps for a
+    the positions whose next token is known (``observe``), and ``catch_up`` lets it absorb them
+    for a sequence that does not draft this step. ``forget`` drops what it keeps for a
     sequence that left the engine."""
 
     needs_hidden_states: bool
@@ -40,6 +41,8 @@ class Drafter(Protocol):
     def draft(self, seq: Sequence, k: int) -> list[int]: ...
 
     def observe(self, seq: Sequence, first_position: int, hidden: Any) -> None: ...
+
+    def catch_up(self, seq: Sequence) -> None: ...
 
     def forget(self, seq: Sequence) -> None: ...
 
@@ -64,6 +67,9 @@ class NgramDrafter:
         return self.propose(seq.token_ids, k)
 
     def observe(self, seq: Sequence, first_position: int, hidden: Any) -> None:
+        pass
+
+    def catch_up(self, seq: Sequence) -> None:
         pass
 
     def forget(self, seq: Sequence) -> None:
@@ -172,6 +178,7 @@ class DraftPool:
             return []
         if seq.draft_slot >= 0 and self._pause[seq.draft_slot] > 0:
             self._pause[seq.draft_slot] -= 1  # backing off: a plain decode step
+            self.drafter.catch_up(seq)
             return []
         if seq.num_pending_tokens:  # its last token is in flight: nothing to look up yet
             return []
@@ -214,8 +221,14 @@ class DraftPool:
         return self.drafter.needs_hidden_states
 
     def observe(self, seq: Sequence, first_position: int, hidden: Any) -> None:
-        """A step's hidden states of ``seq`` from ``first_position`` on (hidden-state drafters)."""
-        self.drafter.observe(seq, first_position, hidden)
+        """A step's hidden states of ``seq`` from ``first_position`` on (hidden-state drafters).
+        Constrained sequences never draft: nothing is kept for them."""
+        if seq.grammar is None:
+            self.drafter.observe(seq, first_position, hidden)
+
+    def skip(self, seq: Sequence) -> None:
+        """``seq`` decodes without drafts this step (its batch is too large to draft)."""
+        self.drafter.catch_up(seq)
 
     def release(self, seq: Sequence) -> None:
         """Give ``seq``'s slot back (it finished, was preempted or freed); idempotent."""

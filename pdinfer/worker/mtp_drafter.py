@@ -12,9 +12,12 @@ Decisions:
   accepted. The engine hands each step's hidden states over (``observe``, from the output
   processor); ``draft`` then runs the MTP layer once over the positions not written yet (a
   prefill chunk: the prompt at the first draft, 1 + accepted rows after a verifying step), and
-  its last row gives draft 1. A sequence that backs off writes nothing meanwhile; its hidden
-  states wait (at most ``max_pending_rows``; beyond that the oldest are dropped and its MTP
-  context restarts after them).
+  its last row gives draft 1. A sequence that does not draft (backing off, or in a batch too
+  large to draft) writes its entries in chunks of ``catch_up_rows`` (``catch_up``), so its
+  context stays whole at a small cost (one layer over each token, once). Constrained
+  sequences never draft and are not observed. As a last bound, at most ``max_pending_rows``
+  hidden states wait; beyond that the oldest are dropped and the MTP context restarts after
+  them.
 - **k drafts = k sequential steps of the one MTP layer** (as vLLM does): step j reads the
   previous step's output h' and draft j at the next position. Those speculative entries go into
   the sequence's blocks where it has them, else into scratch blocks past the cache's end; the
@@ -67,12 +70,14 @@ class MTPDrafter:
         block_size: int,
         max_draft_tokens: int,
         max_pending_rows: int = 4096,
+        catch_up_rows: int = 64,
     ):
         mla = mtp.spec.mla
         assert mla is not None  # DeepseekMTP refuses a spec without MLA
         self.mtp, self.main = mtp, main
         self.block_size = block_size
         self.max_pending_rows = max_pending_rows
+        self.catch_up_rows = catch_up_rows
         param = next(mtp.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.scratch = list(range(num_blocks, num_blocks + -(-max_draft_tokens // block_size) + 1))
@@ -113,14 +118,7 @@ class MTPDrafter:
         last = len(seq.token_ids) - 1  # the newest token's position: its hidden is not known yet
         if k <= 0 or state is None or state.num_pending == 0 or state.written + state.num_pending != last:
             return []
-        if self._blocks(seq, state.start, state.written) != state.blocks:
-            state.start = state.written  # its entries' blocks changed (copy-on-write): restart
-        positions = list(range(state.written, last))
-        hidden = self.main.norm(torch.cat(state.pending))
-        tokens = seq.token_ids[state.written + 1 : last + 1]
-        out = self._step(state.start, positions, tokens, hidden, list(seq.block_table))
-        state.written, state.pending, state.num_pending = last, [], 0
-        state.blocks = self._blocks(seq, state.start, last)
+        out = self._write_pending(seq, state)
         drafts = [int(self.mtp.compute_logits(out, self.main).argmax(-1))]
         if k > 1:
             table = self._chain_table(seq, last + k - 1)
@@ -128,6 +126,29 @@ class MTPDrafter:
                 out = self._step(state.start, [last - 1 + j], [drafts[-1]], out, table)
                 drafts.append(int(self.mtp.compute_logits(out, self.main).argmax(-1)))
         return drafts
+
+    @torch.inference_mode()
+    def catch_up(self, seq: Sequence) -> None:
+        """Write the entries of a sequence that does not draft this step (backing off, or in a
+        batch too large to draft) once ``catch_up_rows`` hidden states wait: its context stays
+        whole, and its waiting hidden states stay few."""
+        state = self._states.get(seq.seq_id)
+        if state is not None and state.num_pending >= self.catch_up_rows:
+            self._write_pending(seq, state)
+
+    def _write_pending(self, seq: Sequence, state: _MTPState) -> torch.Tensor:
+        """Write the MTP entries of the waiting hidden states (each with its next token); h'
+        of the last one."""
+        if self._blocks(seq, state.start, state.written) != state.blocks:
+            state.start = state.written  # its entries' blocks changed (copy-on-write): restart
+        end = state.written + state.num_pending
+        positions = list(range(state.written, end))
+        hidden = self.main.norm(torch.cat(state.pending))
+        tokens = seq.token_ids[state.written + 1 : end + 1]
+        out = self._step(state.start, positions, tokens, hidden, list(seq.block_table))
+        state.written, state.pending, state.num_pending = end, [], 0
+        state.blocks = self._blocks(seq, state.start, end)
+        return out
 
     def _step(
         self, start: int, positions: list[int], tokens: list[int], prev_hidden: torch.Tensor, table: list[int]
