@@ -1,8 +1,13 @@
-"""Speculative decoding (n-gram) on the CPU: acceptance rate and output tok/s with and without
-it, at several batch sizes, on a repetitive workload (rewrite a text that is in the prompt) and a
-non-repetitive one (open-ended questions), greedy. Prints a table.
+"""Speculative decoding on the CPU: acceptance rate and output tok/s with and without it, at
+several batch sizes, greedy. Prints a table.
+
+n-gram (default model): a repetitive workload (rewrite a text that is in the prompt) and a
+non-repetitive one (open-ended questions). MTP (``--method mtp``): a tiny DeepSeek-V3 with one
+MTP layer and dummy (random) weights, on random prompts; random weights accept almost nothing,
+so this measures what drafting and verifying cost, not what a trained MTP layer gains.
 
     PYTHONPATH=. python benchmarks/spec_decode.py [--batch-sizes 1 8 64] [--k 3] [--max-tokens 128]
+    PYTHONPATH=. python benchmarks/spec_decode.py --method mtp [--batch-sizes 1 8]
 
 tok/s counts output tokens over the whole ``generate`` call (prefill included, the same for
 both engines); each cell is the best of ``--repeats`` runs, the engines taking turns, since
@@ -12,6 +17,9 @@ other processes share the machine. The greedy outputs of the two engines are com
 from __future__ import annotations
 
 import argparse
+import json
+import random
+import tempfile
 import time
 
 from pdinfer import LLM, SamplingParams
@@ -58,6 +66,45 @@ def prompts_for(llm: LLM, workload: str, batch: int) -> list[dict]:
     return prompts
 
 
+# A tiny DeepSeek-V3 (MLA, sigmoid-routed MoE) with one MTP layer, for ``--method mtp``.
+TINY_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_experts_per_tok": 2,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 4,
+    "topk_group": 2,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 64,
+    "q_lora_rank": 96,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "vocab_size": 4096,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1,
+}
+
+
+def random_prompts(batch: int, vocab: int) -> list[dict]:
+    rng = random.Random(0)
+    return [
+        {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randrange(30, 200))]} for _ in range(batch)
+    ]
+
+
 def run_once(llm: LLM, prompts: list[dict], params: SamplingParams):
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -83,6 +130,7 @@ def compare(base: LLM, spec: LLM, prompts: list[dict], params: SamplingParams, r
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--method", choices=["ngram", "mtp"], default="ngram")
     parser.add_argument("--k", type=int, default=3, help="draft tokens per step")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -92,18 +140,29 @@ def main() -> None:
     common = dict(
         kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batch_sizes), num_threads=args.num_threads
     )
+    workloads = ("repetitive", "non-repetitive")
+    if args.method == "mtp":
+        folder = tempfile.mkdtemp(prefix="pdinfer-tiny-v3-")
+        with open(f"{folder}/config.json", "w") as f:
+            json.dump(TINY_V3, f)
+        common.update(model=folder, load_format="dummy")
+        workloads = ("random",)
     base = LLM(**common)
-    spec = LLM(**common, speculative_method="ngram", num_draft_tokens=args.k)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    print(f"n-gram speculation, k={args.k}, greedy, up to {args.max_tokens} new tokens, best of {args.repeats}")
+    spec = LLM(**common, speculative_method=args.method, num_draft_tokens=args.k)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.method == "mtp")
+    print(f"{args.method} speculation, k={args.k}, greedy, up to {args.max_tokens} new tokens, best of {args.repeats}")
     header = (
-        f"{'workload':<14}{'batch':>6}{'off tok/s':>11}{'ngram tok/s':>13}{'speed-up':>10}{'accepted':>10}{'same':>6}"
+        f"{'workload':<14}{'batch':>6}{'off tok/s':>11}{args.method + ' tok/s':>13}"
+        f"{'speed-up':>10}{'accepted':>10}{'same':>6}"
     )
     print(header)
     print("-" * len(header))
-    for workload in ("repetitive", "non-repetitive"):
+    for workload in workloads:
         for batch in args.batch_sizes:
-            prompts = prompts_for(base, workload, batch)
+            if workload == "random":
+                prompts = random_prompts(batch, TINY_V3["vocab_size"])
+            else:
+                prompts = prompts_for(base, workload, batch)
             run_once(base, prompts[:1], params)  # warm both engines
             run_once(spec, prompts[:1], params)
             off, on, rate, same = compare(base, spec, prompts, params, args.repeats)

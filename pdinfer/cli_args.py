@@ -186,7 +186,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, include_seed: bool = Tru
         default=None,
         choices=["ngram", "mtp"],
         help="speculative decoding: 'ngram' drafts from earlier text of each request (prompt lookup) and "
-        "verifies the drafts in one decode step; 'mtp' needs a checkpoint with an MTP module (none yet). "
+        "verifies the drafts in one decode step; 'mtp' drafts with a DeepSeek-V3 checkpoint's multi-token-"
+        "prediction layer. "
         "CPU only; a prompt engine never drafts (default: off)",
     )
     g.add_argument(

@@ -211,8 +211,8 @@ class EngineArgs:
     expert_parallel_size: int = 1  # ranks of the DP group that share one model's routed experts
     num_redundant_experts: int = 0  # extra expert replicas EPLB places (per MoE layer, whole group)
     eplb_interval: int | None = None  # steps between rearrangements; None: the role's default
-    # Speculative decoding (docs/usage.md): None (off), "ngram" (prompt lookup) or "mtp" (needs
-    # a checkpoint with an MTP module). num_draft_tokens: drafts verified per step (k), which
+    # Speculative decoding (docs/usage.md): None (off), "ngram" (prompt lookup) or "mtp" (a
+    # DeepSeek-V3 checkpoint's multi-token-prediction layer drafts). num_draft_tokens: drafts verified per step (k), which
     # also sizes decode steps (MoE workspace, a CE's KV profiling) as 1 + k tokens a sequence.
     speculative_method: str | None = None
     num_draft_tokens: int = 0

@@ -6,6 +6,7 @@ P/D pair whose PE never drafts."""
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -103,11 +104,12 @@ def test_acceptance_keeps_the_target_distribution():
 
 
 # --- the K/V rollback (scheduler and block manager, no model) ---------------------------------------
-class _FixedDrafter:
+class _FixedDrafter(NgramDrafter):
     def __init__(self, drafts):
+        super().__init__()
         self.drafts = drafts
 
-    def propose(self, token_ids, k):
+    def draft(self, seq, k):
         return self.drafts[:k]
 
 
@@ -229,13 +231,19 @@ def test_flags_and_refusals():
         EngineArgs(speculative_method="eagle")
     mtp = EngineArgs(speculative_method="mtp")
     with pytest.raises(ValueError, match="MTP"):
-        build_draft_pool(mtp, {"architectures": ["LlamaForCausalLM"]}, object(), torch.device("cpu"))
+        build_draft_pool(mtp, {"architectures": ["LlamaForCausalLM"]}, _runner("cpu"), 8, 16)
     ngram = EngineArgs(speculative_method="ngram")
     with pytest.raises(ValueError, match="CPU only"):
-        build_draft_pool(ngram, {}, object(), torch.device("cuda"))
+        build_draft_pool(ngram, {}, _runner("cuda"), 8, 16)
     prompt = EngineArgs(speculative_method="ngram", engine_type="prompt")
-    assert build_draft_pool(prompt, {}, object(), torch.device("cpu")) is None  # a PE never drafts
+    assert build_draft_pool(prompt, {}, _runner("cpu"), 8, 16) is None  # a PE never drafts
     assert not EngineType.PROMPT.drafts_tokens and EngineType.COMPLETION.drafts_tokens
+
+
+def _runner(device: str) -> SimpleNamespace:
+    """What ``build_draft_pool`` reads of a model runner (a Llama-family model)."""
+    spec = SimpleNamespace(architecture="LlamaForCausalLM", mla=None, moe=None)
+    return SimpleNamespace(model=object(), device=torch.device(device), spec=spec, moe_layers=[])
 
 
 # --- end to end ---------------------------------------------------------------------------------------

@@ -369,7 +369,10 @@ class Scheduler:
     def _drafts(self, seq: Sequence) -> list[int]:
         """The draft pool's proposal, short enough that every token it could emit (the drafts
         and the bonus token) stays within max_tokens and the context."""
-        if self.draft_pool is None or not self.draft_pool.drafts_at(len(self.running)):
+        if self.draft_pool is None:
+            return []
+        if not self.draft_pool.drafts_at(len(self.running)):
+            self.draft_pool.skip(seq)  # a hidden-state drafter keeps its cache current
             return []
         room = min(seq.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens) - 1
         return self.draft_pool.propose(seq, room)

@@ -20,7 +20,7 @@ docs/usage.md for what "the same" promises).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,9 +28,23 @@ from pdinfer.sequence import Sequence
 
 
 class Drafter(Protocol):
-    """Proposes up to ``k`` tokens that may follow ``token_ids`` (prompt and output so far)."""
+    """Proposes up to ``k`` tokens that may follow ``seq``'s tokens (prompt and output so far).
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]: ...
+    A drafter that reads the target model's hidden states (MTP, ``worker/mtp_drafter.py``) sets
+    ``needs_hidden_states``: the engine then hands it every step's last-layer hidden states of
+    the positions whose next token is known (``observe``), and ``catch_up`` lets it absorb them
+    for a sequence that does not draft this step. ``forget`` drops what it keeps for a
+    sequence that left the engine."""
+
+    needs_hidden_states: bool
+
+    def draft(self, seq: Sequence, k: int) -> list[int]: ...
+
+    def observe(self, seq: Sequence, first_position: int, hidden: Any) -> None: ...
+
+    def catch_up(self, seq: Sequence) -> None: ...
+
+    def forget(self, seq: Sequence) -> None: ...
 
 
 class NgramDrafter:
@@ -42,10 +56,24 @@ class NgramDrafter:
     that still has k tokens after it wins (recent text predicts best), else the latest one.
     """
 
+    needs_hidden_states = False
+
     def __init__(self, max_n: int = 3, min_n: int = 1):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
+
+    def draft(self, seq: Sequence, k: int) -> list[int]:
+        return self.propose(seq.token_ids, k)
+
+    def observe(self, seq: Sequence, first_position: int, hidden: Any) -> None:
+        pass
+
+    def catch_up(self, seq: Sequence) -> None:
+        pass
+
+    def forget(self, seq: Sequence) -> None:
+        pass
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         length = len(token_ids)
@@ -150,6 +178,7 @@ class DraftPool:
             return []
         if seq.draft_slot >= 0 and self._pause[seq.draft_slot] > 0:
             self._pause[seq.draft_slot] -= 1  # backing off: a plain decode step
+            self.drafter.catch_up(seq)
             return []
         if seq.num_pending_tokens:  # its last token is in flight: nothing to look up yet
             return []
@@ -160,7 +189,7 @@ class DraftPool:
             self._misses[seq.draft_slot], self._pause[seq.draft_slot] = 0, 0
             self._next_pause[seq.draft_slot] = self.first_pause
             self._k[seq.draft_slot] = self.num_draft_tokens
-        drafts = self.drafter.propose(seq.token_ids, min(k, self._k[seq.draft_slot]))
+        drafts = self.drafter.draft(seq, min(k, self._k[seq.draft_slot]))
         if not drafts:
             self._record_miss(seq.draft_slot)
         return drafts
@@ -187,8 +216,23 @@ class DraftPool:
             self._pause[slot] = self._next_pause[slot]
             self._next_pause[slot] = min(2 * self._next_pause[slot], self.max_pause)
 
+    @property
+    def needs_hidden_states(self) -> bool:
+        return self.drafter.needs_hidden_states
+
+    def observe(self, seq: Sequence, first_position: int, hidden: Any) -> None:
+        """A step's hidden states of ``seq`` from ``first_position`` on (hidden-state drafters).
+        Constrained sequences never draft: nothing is kept for them."""
+        if seq.grammar is None:
+            self.drafter.observe(seq, first_position, hidden)
+
+    def skip(self, seq: Sequence) -> None:
+        """``seq`` decodes without drafts this step (its batch is too large to draft)."""
+        self.drafter.catch_up(seq)
+
     def release(self, seq: Sequence) -> None:
         """Give ``seq``'s slot back (it finished, was preempted or freed); idempotent."""
+        self.drafter.forget(seq)
         if seq.draft_slot >= 0:
             self._free_slots.append(seq.draft_slot)
             seq.draft_slot = -1

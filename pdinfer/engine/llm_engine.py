@@ -35,7 +35,7 @@ from pdinfer.engine.kv_store_agent import KVStoreAgent
 from pdinfer.engine.output_processor import OutputProcessor
 from pdinfer.engine.output_tracker import OutputTracker
 from pdinfer.engine.request import RequestState
-from pdinfer.engine.speculative import build_draft_pool
+from pdinfer.engine.speculative import build_draft_pool, mtp_cache_layers
 from pdinfer.engine.step_builder import StepBuilder
 from pdinfer.engine.step_log import StepLog
 from pdinfer.engine_type import EngineType
@@ -98,7 +98,9 @@ class LLMEngine:
             self.num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
         )
         # Speculative decoding: NORMAL and COMPLETION only (None on a PE or when off).
-        self.draft_pool = build_draft_pool(engine_args, hf_config, self.model_runner.model, self.device)
+        self.draft_pool = build_draft_pool(
+            engine_args, hf_config, self.model_runner, self.num_blocks, self.cache_config.block_size
+        )
         self.scheduler = Scheduler(
             self.scheduler_config, self.block_manager, dp_group, self._state_manager(), self.draft_pool
         )
@@ -155,6 +157,7 @@ class LLMEngine:
                 self.engine_type.sizes_for_decode,
                 gpu_memory_utilization=cc.gpu_memory_utilization,
                 graphs=self.use_cuda_graph,
+                extra_layers=mtp_cache_layers(self.args),
             )
         self.model_runner.init_cache(self.num_blocks, cc.block_size)
         if self.engine_type is not EngineType.NORMAL:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from pdinfer.core.outputs import SchedulerOutputs
 from pdinfer.core.spec_decode import num_accepted
 from pdinfer.engine.request import RequestState, fork_seed
+from pdinfer.engine.speculative import observe_hidden
 from pdinfer.outputs import PromptLogprobs, RequestDelta
 from pdinfer.sequence import Sequence, SequenceStatus
 from pdinfer.worker.step_input import StepResult
@@ -67,6 +68,9 @@ class OutputProcessor:
                 self._apply_token(state, seq, copy, result, index)
                 touched[state.request_id] = state
             index += num_rows
+        pool = self.engine.scheduler.draft_pool
+        if pool is not None and result.hidden is not None:
+            observe_hidden(pool, inflight, result)  # the MTP drafter's input
         return [self.engine._report(state) for state in touched.values()]
 
     def _apply_token(self, state: RequestState, seq: Sequence, copy: int, result: StepResult, index: int) -> None:

@@ -64,6 +64,7 @@ class ModelRunner:
         expert_group: TorchExpertGroup | None = None,
     ):
         self.spec = spec
+        self.folder = folder
         self.dtype = dtype
         self.device = device
         self.moe_layers: list[SparseMoE] = []  # sharded sparse layers (expert parallelism, EPLB)
@@ -115,6 +116,9 @@ class ModelRunner:
                 self.model.decode_stack = DecodeStack.build(self.model, self.native_kernels, self.batch_invariant)
         self.sampler = Sampler()
         self.cache: CacheEngine | None = None
+        # A hidden-state drafter (MTP) reads every row's last-layer hidden state: the last
+        # layer then computes all rows, and ``StepResult.hidden`` carries them (CPU only).
+        self.keep_hidden = False
         # Sampled tokens of the last few steps, on the device, by step id (zero-overhead
         # scheduling feeds them to the next step before the host has seen them).
         self._recent: OrderedDict[int, torch.Tensor] = OrderedDict()
@@ -135,16 +139,19 @@ class ModelRunner:
         decode: bool,
         gpu_memory_utilization: float = 0.9,
         graphs: bool = True,
+        extra_layers: int = 0,
     ) -> int:
         """KV blocks that fit next to the peak activations of the largest step: ``tokens``
         tokens with ``rows`` logit rows, a decode step or not (the engine's role decides);
-        ``graphs``: room is kept for CUDA graphs (an engine that captures them)."""
+        ``graphs``: room is kept for CUDA graphs (an engine that captures them);
+        ``extra_layers``: cache layers outside the model's (the MTP drafter's), per block."""
         if self.gpu is not None:  # measured: a dummy step of this shape, real peak memory
             return self.gpu.profile_num_blocks(block_size, tokens, rows, decode, gpu_memory_utilization, graphs)
         peak = self.activation_bytes(tokens, rows)
         if self.dispatcher is not None:  # the all-to-all buffers, sized by the role's MoE workspace
             peak += self.dispatcher.workspace_bytes
-        per_block = block_bytes(self.spec, block_size, self.kv_dtype)
+        layers = self.spec.num_layers
+        per_block = block_bytes(self.spec, block_size, self.kv_dtype) * (layers + extra_layers) // layers
         num_blocks = (memory_bytes - peak) // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -205,11 +212,15 @@ class ModelRunner:
             self._fill_pending(input_ids, inp)
         positions = torch.tensor(inp.positions, dtype=torch.int64, device=self.device)
         keep = [s.row for s in inp.samples] + inp.prompt_rows
+        rows = list(range(inp.num_tokens)) if self.keep_hidden else keep
         # Not with expert parallelism: every rank must run the same number of forwards.
         if inp.is_prompt and inp.num_tokens > PREFILL_SUBBATCH_TOKENS and self.dispatcher is None:
-            hidden = self._prefill_in_subbatches(inp, input_ids, positions, keep)
+            hidden = self._prefill_in_subbatches(inp, input_ids, positions, rows)
         else:
-            hidden = self._forward(inp, input_ids, positions, keep)
+            hidden = self._forward(inp, input_ids, positions, rows)
+        every_row = None
+        if self.keep_hidden:
+            every_row, hidden = hidden, hidden[torch.tensor(keep, dtype=torch.int64, device=self.device)]
         num_samples = len(inp.samples)
         logits = self.model.compute_logits(hidden[:num_samples])
         if inp.masks_later is not None:
@@ -224,7 +235,9 @@ class ModelRunner:
         self._recent[inp.step_id] = out.token_ids
         while len(self._recent) > 4:
             self._recent.popitem(last=False)
-        return _to_host(inp.step_id, out)
+        result = _to_host(inp.step_id, out)
+        result.hidden = every_row
+        return result
 
     def _empty_moe_step(self) -> None:
         """A step without tokens still runs every sparse layer, in order, on zero rows."""

@@ -38,6 +38,9 @@ class MLASeq:
     query_len: int
     context_len: int  # cached prefix + this chunk
     block_ids: torch.Tensor  # [blocks covering context_len]
+    # First position attended to: 0, except for the MTP drafter, whose latent layer holds a
+    # sequence's entries from where it first saw the target's hidden states (mtp_drafter.py).
+    context_start: int = 0
 
 
 @dataclass
@@ -117,15 +120,16 @@ class MLAPagedAttention:
         return self._decode(q_nope, q_rope, slots, w_kv, meta)
 
     def _prefill(self, q_nope, q_rope, slots, w_kv, kv_b_weight, seq: MLASeq) -> torch.Tensor:
-        ctx = slots.index_select(0, seq.block_ids).flatten(0, 1)[: seq.context_len].to(q_nope.dtype)
+        start = seq.context_start
+        ctx = slots.index_select(0, seq.block_ids).flatten(0, 1)[start : seq.context_len].to(q_nope.dtype)
         latent, k_rope = ctx.split([self.kv_lora_rank, ctx.shape[-1] - self.kv_lora_rank], dim=-1)
-        kv = F.linear(latent, kv_b_weight).view(seq.context_len, self.num_heads, -1)
+        kv = F.linear(latent, kv_b_weight).view(ctx.shape[0], self.num_heads, -1)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         # Query i sits at position context_len - query_len + i: a bottom-right causal mask.
         q_pos = torch.arange(seq.query_len, device=q.device).unsqueeze(1) + (seq.context_len - seq.query_len)
-        mask = torch.arange(seq.context_len, device=q.device).unsqueeze(0) <= q_pos
+        mask = torch.arange(start, seq.context_len, device=q.device).unsqueeze(0) <= q_pos
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.scale
         )
