@@ -29,7 +29,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self in _FINISHED  # a set, not ``name.startswith``: read several times a token
 
 
 FINISH_REASONS = {
@@ -40,6 +40,7 @@ FINISH_REASONS = {
     SequenceStatus.FINISHED_PREEMPTED: "error",
     SequenceStatus.FINISHED_HANDED_OFF: "handoff",
 }
+_FINISHED = frozenset(status for status in SequenceStatus if status.name.startswith("FINISHED"))
 
 _seq_ids = itertools.count()
 
@@ -117,7 +118,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -113,12 +113,15 @@ class BlockManager:
         """Publish the sequence's full blocks whose K/V is computed (or being computed now)."""
         if not self.enable_prefix_caching:
             return
-        covered = min(seq.num_computed_tokens, len(seq.token_ids))
+        covered = min(seq.num_computed_tokens, len(seq.block_table) * self.block_size, len(seq.token_ids))
         self._extend_hashes(seq, covered)
-        for i in range(min(covered // self.block_size, len(seq.block_table))):
+        # Newest first, stopping at the first published block: blocks fill in order and every
+        # step publishes those that filled, so a decode step looks at one block, not all of
+        # them. (A block left out because another block held its hash stays out.)
+        for i in range(covered // self.block_size - 1, -1, -1):
             block_id = seq.block_table[i]
             if self.block_hash[block_id] is not None:
-                continue
+                break
             h = seq.block_hashes[i]
             if h not in self.hash_to_block:
                 self.hash_to_block[h] = block_id
