@@ -67,10 +67,12 @@ class StepBuilder:
         first_row = len(inp.input_ids)
         pending_ref = None
         drafts = seq.draft_token_ids  # speculating: the last known token, then these
-        for pos in range(start, end):
-            if pos < len(seq.token_ids):
-                inp.input_ids.append(seq.token_ids[pos])
-            elif drafts:
+        known = min(end, len(seq.token_ids))
+        if known > start:  # known tokens: whole slices (a prefill chunk is thousands of them)
+            inp.input_ids.extend(seq.token_ids[start:known])
+            inp.positions.extend(range(start, known))
+        for pos in range(max(start, known), end):  # tokens not in token_ids yet
+            if drafts:
                 inp.input_ids.append(drafts[pos - len(seq.token_ids)])
             else:
                 # Sampled by the step in flight; the runner reads it from that step's output.
