@@ -47,7 +47,7 @@ SMOKE_SHAPE = dict(target_len=50, new_tokens=4, budget=64, other_len=(1, 20), ba
 
 class TargetLogits:
     """The logits rows the sampler gets for the target request, by input position (on the
-    device); hooks ``ModelRunner.execute`` and ``ModelRunner.sampler``, CPU and CUDA alike."""
+    device); hooks the runner's ``execute`` and ``sampler``, CPU and CUDA alike."""
 
     def __init__(self, llm: LLM):
         runner = llm.engine.model_runner

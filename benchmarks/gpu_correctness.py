@@ -69,7 +69,7 @@ def pdinfer_last_logits(llm: LLM, ids: list[int], chunks: int = 1) -> torch.Tens
                 block_tables=[table],
                 samples=[SampleSpec(hi - lo - 1, 0.0, 0, 1.0, 0.0, 0, hi)],
             )
-            step = runner.gpu.builder.build(inp)
+            step = runner.builder.build(inp)
             hidden = runner.model(step.input_ids, step.positions, scratch.kv, step.meta)
         return runner.model.compute_logits(hidden[-1:])[0].float()
 

@@ -133,7 +133,7 @@ def _profile_decode_step(llm, cache: CacheEngine, tables: torch.Tensor, ctx: int
         block_tables=rows,
         samples=[SampleSpec(i, 0.0, 0, 1.0, 0.0, 0, ctx) for i in range(batch)],
     )
-    step = runner.gpu.builder.build(inp)
+    step = runner.builder.build(inp)
 
     def forward():
         with torch.inference_mode():
@@ -193,7 +193,7 @@ def _role_profile(preset: str, role: str) -> dict:
             max_num_seqs=256,
         )
     )
-    profile = dict(engine.model_runner.gpu.kv_profile)
+    profile = dict(engine.model_runner.kv_profile)
     engine.shutdown()
     del engine
     free_memory()

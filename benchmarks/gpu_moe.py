@@ -313,8 +313,7 @@ def whole_model(preset: str, engine_kwargs: dict, sizes: dict) -> None:
     if DEVICE.type == "cpu":  # the engine's CPU path takes the torch experts; run the fused ones
         for layer in layers_:
             layer.experts.use_fused = True
-    gpu = runner.gpu
-    graphs = gpu.graphs if gpu is not None else None
+    graphs = getattr(runner, "graphs", None)  # GpuRunner's (a CpuRunner has none)
     FIG["graphs_captured"] = sorted(graphs._graphs) if graphs is not None else []
     row("(c) decode CUDA graphs", f"captured for batches {FIG['graphs_captured'] or 'none'}")
     prompt_len, new_tokens = sizes["prompt_len"], sizes["new_tokens"]
@@ -325,8 +324,8 @@ def whole_model(preset: str, engine_kwargs: dict, sizes: dict) -> None:
         modes.append(("fused eager", "eager", True))
     modes.append(("torch eager", "eager", False))
     for label, eager, fused in modes:
-        if gpu is not None and eager:
-            gpu.graphs = None
+        if graphs is not None and eager:
+            runner.graphs = None
         for layer in layers_:
             layer.experts.use_fused = fused
         for batch in sizes["batches"]:

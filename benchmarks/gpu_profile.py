@@ -67,9 +67,9 @@ def decode_profile(llm, batch, ctx=640):
         block_tables=rows,
         samples=[SampleSpec(i, 0.0, 0, 1.0, 0.0, 0, ctx) for i in range(batch)],
     )
-    graphs = runner.gpu.graphs
+    graphs = runner.graphs
     splits = graphs.num_splits(batch) if graphs is not None else None
-    step = runner.gpu.builder.build(inp, pad_to=batch, num_splits=splits)
+    step = runner.builder.build(inp, pad_to=batch, num_splits=splits)
 
     def fwd():
         with torch.inference_mode():
@@ -118,7 +118,7 @@ def prefill_profile(llm, n, length):
 
 def host_profile(llm, batch=256):
     engine = llm.engine
-    gpu = engine.model_runner.gpu
+    gpu = engine.model_runner
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
     for i in range(batch):

@@ -63,7 +63,7 @@ def prefill_flops(llm: LLM, num_prompts: int, prompt_len: int) -> float:
 
 
 def bench_decode(llm: LLM, batch: int, events: bool = False) -> dict:
-    engine, gpu = llm.engine, llm.engine.model_runner.gpu
+    engine, gpu = llm.engine, llm.engine.model_runner
     prompts = random_prompts([PROMPT_LEN] * batch, engine.spec.vocab_size, seed=100 + batch)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     tag = f"bench-{batch}-{time.monotonic_ns()}"
@@ -102,7 +102,7 @@ def _idle(marks) -> dict:
 
 def graph_step_ms(llm: LLM, batch: int) -> float | None:
     """Device time of one decode step's graph replay (no host work in between)."""
-    graphs = llm.engine.model_runner.gpu.graphs
+    graphs = llm.engine.model_runner.graphs
     if graphs is None or batch not in graphs._graphs:
         return None
     graph, _ = graphs._graphs[batch]

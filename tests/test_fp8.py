@@ -232,12 +232,12 @@ _TINY = {
 )
 def test_refused_on_cpu_at_construction(options):
     from pdinfer.models.spec import ModelSpec
-    from pdinfer.worker.model_runner import ModelRunner
+    from pdinfer.worker.runner import make_runner
 
     args = EngineArgs(**options)
     spec = ModelSpec.from_hf_config(_TINY)
     with pytest.raises(ValueError, match="needs a CUDA GPU with FP8 support .* runs on cpu"):
-        ModelRunner(spec, "", "dummy", torch.float32, torch.device("cpu"), args.runner_options)
+        make_runner(spec, "", "dummy", torch.float32, torch.device("cpu"), args.runner_options)
 
 
 def test_option_names():
@@ -260,17 +260,15 @@ def test_option_names():
 
 
 def test_engine_steps_over_an_fp8_cache():
-    """Whole steps through the CUDA step path (``GpuStepRunner``, on CPU tensors) with an e4m3
+    """Whole steps through the CUDA step path (``GpuRunner``, on CPU tensors) with an e4m3
     cache, against the CPU runner's float32 cache: the cache holds what the kernels wrote (e4m3's
     rounding of the float32 K/V, in the same slots) and the log-probs move little."""
     from test_triton_kernels import _tiny_runner
 
-    from pdinfer.worker.gpu_runner import GpuStepRunner
     from pdinfer.worker.step_input import SampleSpec, StepInput
 
-    cpu, gpu = _tiny_runner(), _tiny_runner()
-    gpu.kv_dtype = FP8  # what a CUDA runner with kv_cache_dtype="fp8" holds
-    gpu.gpu = GpuStepRunner(gpu)
+    cpu, gpu = _tiny_runner(), _tiny_runner(gpu=True)
+    gpu.kv_dtype = FP8  # what a CUDA runner with kv_cache_dtype="fp8" holds (refused on CPU tensors)
     for r in (cpu, gpu):
         r.init_cache(num_blocks=32, block_size=4)
     assert gpu.cache.kv.dtype == FP8

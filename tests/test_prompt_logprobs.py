@@ -128,9 +128,9 @@ def test_n_outputs_share_one_prompt_logprobs_and_short_prompts(chunked_llm, prom
 def test_steps_run_as_sub_batches_give_the_same_values(chunked_llm, prompt_ids, reference_logprobs, monkeypatch):
     """A CPU prefill step over several sequences runs as sub-batches (``_prefill_subbatches``):
     the scored rows are picked out of each."""
-    from pdinfer.worker import model_runner
+    from pdinfer.worker import cpu_runner
 
-    monkeypatch.setattr(model_runner, "PREFILL_SUBBATCH_TOKENS", 6)
+    monkeypatch.setattr(cpu_runner, "PREFILL_SUBBATCH_TOKENS", 6)
     outs = chunked_llm.generate(
         [{"prompt_token_ids": ids} for ids in prompt_ids],
         SamplingParams(max_tokens=1, prompt_logprobs=2),

@@ -8,7 +8,7 @@ shares its launch, and close to a float64 reference.
   batches of longer and shorter contexts (so the grid and the batch differ);
 - prefill attention: a prompt's rows unchunked, and cut into chunks of 7, 128 and 1 tokens next
   to other prompts;
-- whole steps through ``GpuStepRunner``: one request's logits alone and among others, with its
+- whole steps through ``GpuRunner``: one request's logits alone and among others, with its
   prompt chunked, decode included.
 
 float16 and float32 only: the interpreter computes bfloat16 dots wrongly (the GPU script,
@@ -205,16 +205,16 @@ def test_prefill_rows_do_not_depend_on_chunks_or_neighbours():
             start += n
 
 
-# --- whole steps through the CUDA step path (GpuStepRunner), on the CPU ----------------------------
-def _bi_runner(monkeypatch):
-    """A tiny float32 Llama on the CUDA step path in the batch-invariant mode; its CPU runner
-    keeps ``nn.Linear`` (no native kernels), which the mode replaces by the Triton GEMM."""
+# --- whole steps through the CUDA step path (GpuRunner), on the CPU --------------------------------
+def _bi_runner():
+    """A tiny float32 Llama on the CUDA step path in the batch-invariant mode: its ``nn.Linear``s
+    become the Triton GEMM."""
+    from dataclasses import replace
+
     from pdinfer.config import EngineArgs
-    from pdinfer.layers import cpu_kernels
     from pdinfer.layers.triton_gemm import BatchInvariantLinear
     from pdinfer.models.spec import ModelSpec
-    from pdinfer.worker.gpu_runner import GpuStepRunner
-    from pdinfer.worker.model_runner import ModelRunner
+    from pdinfer.worker.gpu_runner import GpuRunner
 
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -230,11 +230,8 @@ def _bi_runner(monkeypatch):
         "max_position_embeddings": 256,
     }
     spec = ModelSpec.from_hf_config(config)
-    with monkeypatch.context() as patch:
-        patch.setattr(cpu_kernels, "KV_DTYPES", ())  # the plain torch CPU runner
-        runner = ModelRunner(spec, "", "dummy", torch.float32, torch.device("cpu"), EngineArgs().runner_options, seed=3)
-    runner.batch_invariant = True  # what RunnerOptions(batch_invariant=True) sets on a CUDA runner
-    runner.gpu = GpuStepRunner(runner)
+    options = replace(EngineArgs().runner_options, batch_invariant=True)
+    runner = GpuRunner(spec, "", "dummy", torch.float32, torch.device("cpu"), options, seed=3)
     assert isinstance(runner.model.layers[0].mlp.down_proj, BatchInvariantLinear)
     runner.init_cache(num_blocks=64, block_size=16)
     logits: list[torch.Tensor] = []
@@ -275,14 +272,14 @@ def _step(step_id, seqs, prompt):
 
 
 @needs_row_stable_dot
-def test_a_requests_logits_alone_equal_its_logits_among_others_with_its_prompt_chunked(monkeypatch):
+def test_a_requests_logits_alone_equal_its_logits_among_others_with_its_prompt_chunked():
     g = torch.Generator().manual_seed(5)
     # a prompt of 150 tokens (over one key tile of either kernel), then 4 decode inputs
     tokens = torch.randint(0, 96, (154,), generator=g).tolist()
     others = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (9, 5, 30)]
     target_table = [17, 3, 40, 9, 22, 8, 31, 50, 12, 60]
 
-    alone, alone_logits = _bi_runner(monkeypatch)
+    alone, alone_logits = _bi_runner()
     steps = [_step(0, [(tokens[:150], 0, target_table, True)], True)]
     steps += [_step(i, [(tokens[149 + i : 150 + i], 149 + i, target_table, True)], False) for i in range(1, 5)]
     for inp in steps:
@@ -290,7 +287,7 @@ def test_a_requests_logits_alone_equal_its_logits_among_others_with_its_prompt_c
     # one row a step: the last prompt position, then four decode positions
     reference = [rows[0] for rows in alone_logits]
 
-    mixed, mixed_logits = _bi_runner(monkeypatch)
+    mixed, mixed_logits = _bi_runner()
     tables = [[1], [6], [10, 4, 2]]
     table = [20, 21, 23, 24, 25, 26, 27, 30, 33, 35]
     prompt_steps = [

@@ -2,8 +2,8 @@
 
 Each kernel is compared with a plain float64 reference on random inputs, with the paged layout
 the engine uses (scrambled block tables, padding rows, cached prefixes, GQA). The last test
-runs whole engine steps through ``GpuStepRunner`` (the CUDA step path: packed inputs, Triton
-attention, pending tokens) against the CPU ``ModelRunner`` on the same weights. The dev extra
+runs whole engine steps through ``GpuRunner`` (the CUDA step path: packed inputs, Triton
+attention, pending tokens) against ``CpuRunner`` on the same weights. The dev extra
 installs Triton, so CI runs them; skipped only where Triton is missing.
 """
 
@@ -204,11 +204,13 @@ def test_half_precision_decode_close_to_reference():
         assert rel_err(out[i : i + 1], ref) < 2e-2
 
 
-# --- whole steps through the CUDA step path (GpuStepRunner), on the CPU ----------------------------
-def _tiny_runner():
+# --- whole steps through the CUDA step path (GpuRunner), on the CPU --------------------------------
+def _tiny_runner(gpu: bool = False):
+    """A tiny Llama with dummy weights: ``CpuRunner``, or with ``gpu`` the CUDA runner on CPU tensors."""
     from pdinfer.config import EngineArgs
     from pdinfer.models.spec import ModelSpec
-    from pdinfer.worker.model_runner import ModelRunner
+    from pdinfer.worker.cpu_runner import CpuRunner
+    from pdinfer.worker.gpu_runner import GpuRunner
 
     spec = ModelSpec.from_hf_config(
         {
@@ -225,16 +227,14 @@ def _tiny_runner():
             "max_position_embeddings": 256,
         }
     )
-    runner = ModelRunner(spec, "", "dummy", torch.float32, torch.device("cpu"), EngineArgs().runner_options, seed=3)
-    return runner
+    runner_class = GpuRunner if gpu else CpuRunner
+    return runner_class(spec, "", "dummy", torch.float32, torch.device("cpu"), EngineArgs().runner_options, seed=3)
 
 
 def test_gpu_step_path_matches_cpu_runner():
-    from pdinfer.worker.gpu_runner import GpuStepRunner
     from pdinfer.worker.step_input import SampleSpec, StepInput
 
-    cpu, gpu = _tiny_runner(), _tiny_runner()
-    gpu.gpu = GpuStepRunner(gpu)  # what a CUDA ModelRunner does, here on CPU tensors
+    cpu, gpu = _tiny_runner(), _tiny_runner(gpu=True)
     for r in (cpu, gpu):
         r.init_cache(num_blocks=32, block_size=4)
 

@@ -7,7 +7,7 @@
   the gathered context into the dense prefill kernel) against the CPU backend ``mla``, decode
   and a chunked prefill over a cached prefix, with the metadata ``GpuInputBuilder`` packs.
 - Whole engine steps of a tiny random DeepSeek-V3 checkpoint (built by transformers) through
-  ``GpuStepRunner`` against the CPU ``ModelRunner``: tokens equal, log-probs close.
+  ``GpuRunner`` against ``CpuRunner``: tokens equal, log-probs close.
 """
 
 from __future__ import annotations
@@ -184,16 +184,18 @@ def deepseek_folder(tmp_path_factory):
     return str(folder)
 
 
-def _runner(folder: str):
+def _runner(folder: str, gpu: bool = False):
     import json
 
     from pdinfer.config import EngineArgs
     from pdinfer.models.spec import ModelSpec
-    from pdinfer.worker.model_runner import ModelRunner
+    from pdinfer.worker.cpu_runner import CpuRunner
+    from pdinfer.worker.gpu_runner import GpuRunner
 
     with open(os.path.join(folder, "config.json")) as f:
         spec = ModelSpec.from_hf_config(json.load(f))
-    return ModelRunner(spec, folder, "auto", torch.float32, torch.device("cpu"), EngineArgs().runner_options)
+    runner_class = GpuRunner if gpu else CpuRunner  # GpuRunner: the CUDA step path on CPU tensors
+    return runner_class(spec, folder, "auto", torch.float32, torch.device("cpu"), EngineArgs().runner_options)
 
 
 def _sample(row: int, position: int) -> SampleSpec:
@@ -207,10 +209,7 @@ def _by_token(result) -> list[dict[int, float]]:
 
 
 def test_gpu_step_path_runs_deepseek_like_the_cpu_runner(deepseek_folder):
-    from pdinfer.worker.gpu_runner import GpuStepRunner
-
-    cpu, gpu = _runner(deepseek_folder), _runner(deepseek_folder)
-    gpu.gpu = GpuStepRunner(gpu)  # what a CUDA ModelRunner does, here on CPU tensors
+    cpu, gpu = _runner(deepseek_folder), _runner(deepseek_folder, gpu=True)
     for r in (cpu, gpu):
         r.init_cache(num_blocks=24, block_size=4)
     tables = [[7, 2, 9], [11, 4, 20, 1, 5, 6], [8, 3, 12]]

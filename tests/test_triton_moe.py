@@ -166,10 +166,11 @@ def test_layer_fused_over_eplb_replica_slots():
 
 
 # --- a Qwen3-MoE step through the CUDA step path, fused experts; graph eligibility ---------------
-def _tiny_moe_runner():
+def _tiny_moe_runner(gpu: bool = False):
     from pdinfer.config import EngineArgs
     from pdinfer.models.spec import ModelSpec
-    from pdinfer.worker.model_runner import ModelRunner
+    from pdinfer.worker.cpu_runner import CpuRunner
+    from pdinfer.worker.gpu_runner import GpuRunner
 
     config = {
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -179,15 +180,15 @@ def _tiny_moe_runner():
         "max_position_embeddings": 256,
     }
     spec = ModelSpec.from_hf_config(config)
-    return ModelRunner(spec, "", "dummy", torch.float32, torch.device("cpu"), EngineArgs().runner_options, seed=3)
+    runner_class = GpuRunner if gpu else CpuRunner  # GpuRunner: the CUDA step path on CPU tensors
+    return runner_class(spec, "", "dummy", torch.float32, torch.device("cpu"), EngineArgs().runner_options, seed=3)
 
 
 def test_moe_model_gpu_step_path_with_fused_experts():
-    from pdinfer.worker.gpu_runner import GpuStepRunner, graph_blocker
+    from pdinfer.worker.gpu_runner import graph_blocker
     from pdinfer.worker.step_input import SampleSpec, StepInput
 
-    cpu, gpu = _tiny_moe_runner(), _tiny_moe_runner()
-    gpu.gpu = GpuStepRunner(gpu)  # what a CUDA ModelRunner does, here on CPU tensors
+    cpu, gpu = _tiny_moe_runner(), _tiny_moe_runner(gpu=True)
     layers = [m for m in gpu.model.modules() if isinstance(m, SparseMoE)]
     assert graph_blocker(gpu.model) is not None  # CPU tensors: the torch path, no graphs
     for layer in layers:

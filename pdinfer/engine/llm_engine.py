@@ -46,7 +46,8 @@ from pdinfer.moe.sharding import expert_group_of
 from pdinfer.outputs import RequestDelta, RequestOutput
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence, SequenceStatus
-from pdinfer.worker.model_runner import ModelRunner, StepExecutor, StepFuture
+from pdinfer.worker.executor import StepExecutor, StepFuture
+from pdinfer.worker.runner import make_runner
 from pdinfer.worker.step_input import StepInput
 
 logger = logging.getLogger("pdinfer")
@@ -78,7 +79,7 @@ class LLMEngine:
         expert_group = expert_group_of(dp_group, self.moe_config, self.device)  # None without EP
         tokenizer_source = engine_args.tokenizer if engine_args.tokenizer != engine_args.model else None
         self.tokenizer = load_tokenizer(self.model_folder, tokenizer_source)
-        self.model_runner = ModelRunner(
+        self.model_runner = make_runner(
             self.spec,
             self.model_folder,
             engine_args.load_format,

@@ -16,12 +16,12 @@ from pdinfer.core.spec_decode import Drafter, DraftPool, NgramDrafter
 
 if TYPE_CHECKING:
     from pdinfer.engine.llm_engine import InFlight
-    from pdinfer.worker.model_runner import ModelRunner
+    from pdinfer.worker.runner import StepRunner
     from pdinfer.worker.step_input import StepResult
 
 
 def build_draft_pool(
-    args: EngineArgs, hf_config: dict[str, Any], runner: ModelRunner, num_blocks: int, block_size: int
+    args: EngineArgs, hf_config: dict[str, Any], runner: StepRunner, num_blocks: int, block_size: int
 ) -> DraftPool | None:
     """The draft pool of an engine (None: it does not speculate). Only roles that decode build
     one (``EngineType.drafts_tokens``): a PE never drafts, whatever its arguments say, so one
@@ -56,7 +56,7 @@ def mtp_cache_layers(args: EngineArgs) -> int:
 
 
 def _mtp_drafter(
-    args: EngineArgs, hf_config: dict[str, Any], runner: ModelRunner, num_blocks: int, block_size: int
+    args: EngineArgs, hf_config: dict[str, Any], runner: StepRunner, num_blocks: int, block_size: int
 ) -> Drafter:
     layers = int(hf_config.get("num_nextn_predict_layers") or 0)
     spec = runner.spec

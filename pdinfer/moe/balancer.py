@@ -28,7 +28,7 @@ from pdinfer.moe.rebalance import rebalance
 
 if TYPE_CHECKING:
     from pdinfer.distributed.ep_group import TorchExpertGroup
-    from pdinfer.worker.model_runner import StepExecutor
+    from pdinfer.worker.executor import StepExecutor
 
 logger = logging.getLogger("pdinfer")
 

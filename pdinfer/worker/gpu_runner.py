@@ -1,36 +1,38 @@
-"""The CUDA side of ``ModelRunner``: Triton kernels, CUDA graphs, and asynchronous results.
+"""The CUDA step runner (``runner.StepRunner``): Triton kernels, CUDA graphs, and asynchronous results.
 
 ``execute`` launches a step and returns at once with a ``PendingStepResult``: the sampled
 tokens are copied into pinned host memory (``non_blocking``) and an event is recorded after the
 copy. The host waits on that event only when it processes the step's outputs, so with
 zero-overhead scheduling the worker thread is already launching step N+1 while the device
 runs step N. Nothing in a step calls ``.item()`` / ``.tolist()`` on a device tensor.
+
+On CPU tensors the same code runs under Triton's interpreter (``TRITON_INTERPRET=1``): the tests
+check it there against ``CpuRunner``.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from collections import OrderedDict
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
 
+from pdinfer.config import RunnerOptions
 from pdinfer.layers.attention.triton_mla import mla_decode_programs, use_triton_mla
 from pdinfer.layers.attention.triton_paged import use_triton_attention
 from pdinfer.layers.moe import SparseMoE
 from pdinfer.models.llama import LlamaForCausalLM
 from pdinfer.worker import batch_invariant
-from pdinfer.worker.cache_engine import CacheEngine, block_bytes
+from pdinfer.worker.cache_engine import CacheEngine
 from pdinfer.worker.gpu_input import GpuInputBuilder, GpuStep
+from pdinfer.worker.runner_base import RunnerBase
 from pdinfer.worker.sampler import SamplerOutput, constraint_tensors, score_prompt
 from pdinfer.worker.step_input import StepInput, StepResult
 
 if TYPE_CHECKING:
     from pdinfer.models.loader import CausalLM
     from pdinfer.worker.cuda_graph import CudaGraphRunner
-    from pdinfer.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pdinfer")
 
@@ -74,29 +76,10 @@ class PendingStepResult:
         return StepResult(step_id=self.step_id, token_ids=token_ids, **lists)
 
 
-class DeviceStepFuture:
-    """A step future whose ``result()`` also waits for the device (the sampling sync)."""
+class GpuRunner(RunnerBase):
+    async_results = True
 
-    def __init__(self, inner: Future):
-        self._inner = inner
-
-    def result(self, timeout: float | None = None) -> StepResult:
-        value = self._inner.result(timeout)
-        return value.wait() if isinstance(value, PendingStepResult) else value
-
-    def done(self) -> bool:
-        return self._inner.done()
-
-    def exception(self, timeout: float | None = None):
-        return self._inner.exception(timeout)
-
-
-class GpuStepRunner:
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-        self.model = runner.model
-        self.spec = runner.spec
-        self.device = runner.device
+    def _prepare_model(self, load_format: str, options: RunnerOptions) -> None:
         if self.device.index is not None:  # "cuda:N": this thread's kernels (Triton too) go there
             torch.cuda.set_device(self.device)
         use_triton_attention(self.model)
@@ -108,18 +91,18 @@ class GpuStepRunner:
         self.decode_programs = mla_decode_programs(self.spec.num_heads) if mla else self.spec.num_kv_heads
         props = torch.cuda.get_device_properties(self.device) if self.device.type == "cuda" else None
         self.num_sms = props.multi_processor_count if props is not None else 132
-        self.batch_invariant = runner.batch_invariant
         if self.batch_invariant:
             batch_invariant.prepare_gpu_model(self.model, self.num_sms)
         self.builder: GpuInputBuilder | None = None
         self.graphs: CudaGraphRunner | None = None
         self.kv_profile: dict[str, int] = {}  # the last profile_num_blocks: peak, free, ... (bytes)
-        self._recent: OrderedDict[int, torch.Tensor] = OrderedDict()
         # Benchmarks set this to time each step's device span (idle gaps between steps).
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
-    def init_cache(self, cache: CacheEngine) -> None:
-        self.builder = self._input_builder(cache.block_size)
+    def init_cache(self, num_blocks: int, block_size: int) -> CacheEngine:
+        cache = super().init_cache(num_blocks, block_size)
+        self.builder = self._input_builder(block_size)
+        return cache
 
     def _input_builder(self, block_size: int) -> GpuInputBuilder:
         latent = self.spec.mla is not None
@@ -140,7 +123,7 @@ class GpuStepRunner:
         if reason is not None:
             logger.info("%s runs without CUDA graphs: %s", self.spec.architecture, reason)
             return
-        cache = self.runner.require_cache()
+        cache = self.require_cache()
         max_blocks = -(-max_model_len // cache.block_size)
         self.graphs = CudaGraphRunner(
             self.model, cache, max_batch, max_blocks, self.num_sms, self.decode_programs, self.batch_invariant
@@ -156,7 +139,7 @@ class GpuStepRunner:
 
     @torch.inference_mode()
     def _execute(self, inp: StepInput) -> PendingStepResult:
-        cache, graphs, builder = self.runner.require_cache(), self.graphs, self.builder
+        cache, graphs, builder = self.require_cache(), self.graphs, self.builder
         if builder is None:
             raise RuntimeError("init_cache first")
         # A graph keeps only the sampled rows' logits: prompt log-probs run eagerly.
@@ -182,13 +165,11 @@ class GpuStepRunner:
             inp.masks_later.fill(inp.samples)
             masks = constraint_tensors(inp.samples, self.device)
             step.sampling.mask_rows, step.sampling.masks = masks.get("mask_rows"), masks.get("masks")
-        out = self.runner.sampler(logits, step.sampling)
+        out = self.sampler(logits, step.sampling)
         if hidden is not None and step.prompt_rows is not None and step.prompt_targets is not None:
             prompt_hidden = hidden.index_select(0, step.prompt_rows)
             score_prompt(self.model.compute_logits, prompt_hidden, step.prompt_targets, inp.prompt_top_k, out)
-        self._recent[inp.step_id] = out.token_ids
-        while len(self._recent) > 4:
-            self._recent.popitem(last=False)
+        self._remember(inp.step_id, out.token_ids)
         result = PendingStepResult(inp.step_id, out)
         if start is not None and self.step_events is not None:
             self.step_events.append((start, self._mark()))
@@ -207,12 +188,6 @@ class GpuStepRunner:
             return hidden[: step.num_samples]
         return hidden.index_select(0, step.sample_rows)
 
-    def _recent_tokens(self, step_id: int) -> torch.Tensor:
-        tokens = self._recent.get(step_id)
-        if tokens is None:
-            raise RuntimeError(f"a pending token refers to step {step_id}, which this runner did not run recently")
-        return tokens
-
     def _fill_pending(self, input_ids: torch.Tensor, step: GpuStep) -> None:
         for step_id, rows, indices in step.pending:
             input_ids.index_copy_(0, rows, self._recent_tokens(step_id).index_select(0, indices))
@@ -225,44 +200,28 @@ class GpuStepRunner:
             tokens[row, col] = self._recent_tokens(step_id)[index]
 
     # --- KV capacity -------------------------------------------------------------------------
-    @torch.inference_mode()
     def profile_num_blocks(
         self,
+        memory_bytes: int,
         block_size: int,
-        num_tokens: int,
-        num_rows: int,
+        tokens: int,
+        rows: int,
         decode: bool,
-        gpu_memory_utilization: float,
+        gpu_memory_utilization: float = 0.9,
         graphs: bool = True,
+        extra_layers: int = 0,
     ) -> int:
         """KV blocks that fit in ``gpu_memory_utilization`` of the device next to the real peak
-        of this role's largest step, measured by running it (``max_memory_allocated``)."""
+        of this role's largest step, measured by running it (``max_memory_allocated``);
+        ``memory_bytes`` (the CPU's budget) does not apply."""
         spec = self.spec
-        seqs = num_tokens if decode else 1
-        blocks_per_seq = 1 if decode else -(-num_tokens // block_size)
-        scratch = CacheEngine(spec, seqs * blocks_per_seq, block_size, self.runner.kv_dtype, self.device)
-        inp = _profile_input(seqs, num_tokens, num_rows, blocks_per_seq, decode)
-        builder = self._input_builder(block_size)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        with torch.inference_mode():
-            step = builder.build(inp)
-            hidden = self.model(step.input_ids, step.positions, scratch.kv, step.meta)
-            logits = self.model.compute_logits(self._sampled_rows(hidden, step))
-            del hidden
-            self.runner.sampler(logits, step.sampling)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        del scratch, step, logits
-        gc.collect()
-        torch.cuda.empty_cache()
+        peak = self._measure_peak_bytes(block_size, tokens, rows, decode)
         free, total = torch.cuda.mem_get_info()
         # CUDA graphs keep one pool for the largest decode batch: logits plus a margin.
         # A PE captures no graphs, so it keeps no room for them.
-        graph_reserve = 256 * 2**20 + num_rows * spec.vocab_size * 4 if graphs else 0
+        graph_reserve = 256 * 2**20 + rows * spec.vocab_size * 4 if graphs else 0
         budget = free - (1.0 - gpu_memory_utilization) * total - peak - graph_reserve
-        per_block = block_bytes(spec, block_size, self.runner.kv_dtype)
+        per_block = self._bytes_per_block(block_size, extra_layers)
         num_blocks = int(budget // per_block)
         # what decided it, for the GPU suite's role check (benchmarks/gpu_micro.py)
         self.kv_profile = {"peak": peak, "free": free, "total": total, "reserve": graph_reserve}
@@ -270,7 +229,7 @@ class GpuStepRunner:
         logger.info(
             "profile (%s, %d tokens): activation peak %.0f MiB, free %.1f GiB -> %d KV blocks",
             "decode" if decode else "prefill",
-            num_tokens,
+            tokens,
             peak / 2**20,
             free / 2**30,
             num_blocks,
@@ -282,6 +241,30 @@ class GpuStepRunner:
                 "kept free; raise gpu_memory_utilization"
             )
         return num_blocks
+
+    @torch.inference_mode()
+    def _measure_peak_bytes(self, block_size: int, num_tokens: int, num_rows: int, decode: bool) -> int:
+        """Device memory a dummy step of this shape takes at its peak, beyond what was allocated."""
+        seqs = num_tokens if decode else 1
+        blocks_per_seq = 1 if decode else -(-num_tokens // block_size)
+        scratch = CacheEngine(self.spec, seqs * blocks_per_seq, block_size, self.kv_dtype, self.device)
+        inp = _profile_input(seqs, num_tokens, num_rows, blocks_per_seq, decode)
+        builder = self._input_builder(block_size)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.inference_mode():
+            step = builder.build(inp)
+            hidden = self.model(step.input_ids, step.positions, scratch.kv, step.meta)
+            logits = self.model.compute_logits(self._sampled_rows(hidden, step))
+            del hidden
+            self.sampler(logits, step.sampling)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del scratch, step, logits
+        gc.collect()
+        torch.cuda.empty_cache()
+        return peak
 
 
 def graph_blocker(model: CausalLM) -> str | None:

@@ -85,5 +85,5 @@ class StepResult:
     prompt_top_ids: list[list[int]] | None = None
     prompt_top_logprobs: list[list[float]] | None = None
     # Last-layer hidden states (before the final norm) of every input row, on the device;
-    # only for a drafter that reads them (``ModelRunner.keep_hidden``, the MTP drafter).
+    # only for a drafter that reads them (``StepRunner.keep_hidden``, the MTP drafter).
     hidden: Any = None
