@@ -293,10 +293,28 @@ def test_gpu_step_path_matches_cpu_runner():
         samples=[sample(0, 6), sample(1, 18), sample(2, 10, temperature=1.0, seed=5)],
         pending=[(0, 0, 0), (2, 1, 0)],
     )
-    for inp in (prefill, chunk, decode):
+    # step 3: two fresh prompts without prompt log-probs: the GPU runner's last layer runs on
+    # the sampled rows only (``GpuRunner._keep_rows``); their log-probs say which row is whose
+    more = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (7, 4)]
+    fresh = StepInput(
+        step_id=3,
+        is_prompt=True,
+        input_ids=more[0] + more[1],
+        positions=list(range(7)) + list(range(4)),
+        query_lens=[7, 4],
+        context_lens=[7, 4],
+        block_tables=[[13, 14], [15]],
+        samples=[sample(6, 7), sample(10, 4)],
+    )
+    for spec in fresh.samples:
+        spec.logprobs = 2
+    for inp in (prefill, chunk, decode, fresh):
         ref = cpu.execute(inp)
         out = gpu.execute(inp).wait()
         assert out.token_ids == ref.token_ids, inp.step_id
+        if ref.logprobs is not None:
+            assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+            assert out.top_ids == ref.top_ids
         assert out.prompt_ranks == ref.prompt_ranks and out.prompt_top_ids == ref.prompt_top_ids
         if inp.prompt_rows:
             assert len(out.prompt_logprobs) == len(inp.prompt_rows)

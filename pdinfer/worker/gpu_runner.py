@@ -128,7 +128,16 @@ class GpuRunner(RunnerBase):
         self.graphs = CudaGraphRunner(
             self.model, cache, max_batch, max_blocks, self.num_sms, self.decode_programs, self.batch_invariant
         )
-        self.graphs.capture()
+        # Decode graphs hold cuBLASLt's GEMMs: at decode sizes they ran the 8B shape's layer 6 %
+        # faster than cuBLAS's (down_proj without a split-K reduce), a batch-64 step 6.15 ->
+        # 5.93 ms on the H200; eager prefill keeps cuBLAS, no faster on cuBLASLt (2026-12-04,
+        # benchmarks/gpu_attention_variants.py). The choice is the process's: set for the capture only.
+        previous = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            self.graphs.capture()
+        finally:
+            torch.backends.cuda.preferred_blas_library(previous)
 
     # --- one step ----------------------------------------------------------------------------
     def execute(self, inp: StepInput) -> PendingStepResult:
@@ -156,8 +165,9 @@ class GpuRunner(RunnerBase):
             logits = graphs.run(step, self._fill_pending)
         else:
             self._fill_pending(step.input_ids, step)
-            hidden = self.model(step.input_ids, step.positions, cache.kv, step.meta)
-            logits = self.model.compute_logits(self._sampled_rows(hidden, step))
+            keep = self._keep_rows(inp, step)
+            hidden = self.model(step.input_ids, step.positions, cache.kv, step.meta, keep_rows=keep)
+            logits = self.model.compute_logits(hidden if keep is not None else self._sampled_rows(hidden, step))
         if bucket is not None and step.sample_rows is not None:
             logits = logits.index_select(0, step.sample_rows)
         self._fill_pending_penalty(step)
@@ -181,6 +191,15 @@ class GpuRunner(RunnerBase):
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+    def _keep_rows(self, inp: StepInput, step: GpuStep) -> torch.Tensor | None:
+        """The rows whose last hidden states the step needs, when they are fewer than its rows
+        (a prefill samples one row a sequence): the last layer then runs its o_proj and MLP on
+        those rows only, about 3 % of a 4 x 2048 prefill's FLOPs on the 8B shape. None where
+        every row is needed: prompt log-probs, a hidden-state drafter."""
+        if step.sample_rows is None or inp.prompt_rows or self.keep_hidden:
+            return None
+        return step.sample_rows
 
     @staticmethod
     def _sampled_rows(hidden: torch.Tensor, step: GpuStep) -> torch.Tensor:
