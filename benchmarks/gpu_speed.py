@@ -14,6 +14,7 @@ import torch
 from benchmarks.gpu_correctness import random_prompts
 from benchmarks.gpu_micro import FIG, NEW_TOKENS, PROMPT_LEN, free_memory, log, row, timed
 from pdinfer import LLM, SamplingParams
+from pdinfer.engine.heap import startup_objects_frozen
 from pdinfer.layers.fp8 import Fp8Linear
 
 
@@ -71,15 +72,16 @@ def bench_decode(llm: LLM, batch: int, events: bool = False) -> dict:
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params)
     counts: dict[str, int] = {}
     t0 = tokens0 = steps = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            counts[o.request_id] = len(o.outputs[0].token_ids)
-        if t0 is not None:
-            steps += 1
-        elif len(counts) == batch and min(counts.values()) >= 1:  # every prompt prefilled
-            t0, tokens0, steps = time.perf_counter(), sum(counts.values()), 0
-            if events:
-                gpu.step_events = []
+    with startup_objects_frozen():  # as LLM.generate runs the loop
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                counts[o.request_id] = len(o.outputs[0].token_ids)
+            if t0 is not None:
+                steps += 1
+            elif len(counts) == batch and min(counts.values()) >= 1:  # every prompt prefilled
+                t0, tokens0, steps = time.perf_counter(), sum(counts.values()), 0
+                if events:
+                    gpu.step_events = []
     elapsed = time.perf_counter() - t0
     result = {"tok_s": (sum(counts.values()) - tokens0) / elapsed, "step_ms": 1e3 * elapsed / max(1, steps)}
     if events:
@@ -117,10 +119,13 @@ def bench_prefill(llm: LLM, num_prompts: int, prompt_len: int, rounds: int = 3) 
         prompts = random_prompts([prompt_len] * num_prompts, engine.spec.vocab_size, seed=500 + r)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for i, p in enumerate(prompts):
-            engine.add_request(f"prefill-{prompt_len}-{r}-{i}-{time.monotonic_ns()}", {"prompt_token_ids": p}, params)
-        while engine.has_unfinished_requests():
-            engine.step()
+        with startup_objects_frozen():
+            for i, p in enumerate(prompts):
+                engine.add_request(
+                    f"prefill-{prompt_len}-{r}-{i}-{time.monotonic_ns()}", {"prompt_token_ids": p}, params
+                )
+            while engine.has_unfinished_requests():
+                engine.step()
         times.append(time.perf_counter() - start)
     return num_prompts * prompt_len / statistics.median(times[1:])
 

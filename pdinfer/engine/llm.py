@@ -8,6 +8,7 @@ from collections.abc import Sequence as SequenceABC
 from typing import TYPE_CHECKING
 
 from pdinfer.config import EngineArgs
+from pdinfer.engine.heap import startup_objects_frozen
 from pdinfer.engine.llm_engine import LLMEngine
 from pdinfer.outputs import RequestOutput
 from pdinfer.sampling_params import SamplingParams
@@ -85,13 +86,14 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished and output.request_id in wanted and output.request_id not in final:
-                        final[output.request_id] = output
-                        bar.update(1)
-                        if output.error:
-                            logger.warning("request %s: %s", output.request_id, output.error)
+            with startup_objects_frozen():  # no full collections over the model's objects
+                while self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        if output.finished and output.request_id in wanted and output.request_id not in final:
+                            final[output.request_id] = output
+                            bar.update(1)
+                            if output.error:
+                                logger.warning("request %s: %s", output.request_id, output.error)
         except BaseException:
             for request_id in wanted - final.keys():
                 self.engine.abort_request(request_id)
