@@ -85,25 +85,7 @@ class LLMEngine:
         self.device, self.dtype = _device_and_dtype(engine_args)
         if self.device.type == "cpu" and engine_args.num_threads:
             torch.set_num_threads(engine_args.num_threads)
-        self.model_folder, hf_config = resolve_model(engine_args.model, engine_args.cache_dir)
-        self.spec = ModelSpec.from_hf_config(hf_config)
-        self.scheduler_config = engine_args.create_scheduler_config(self.spec.max_position_embeddings)
-        self.cache_config = engine_args.create_cache_config()
-        self.moe_config = engine_args.create_moe_config(self.scheduler_config)  # EP, EPLB, workspace
-        expert_group = expert_group_of(dp_group, self.moe_config, self.device)  # None without EP
-        tokenizer_source = engine_args.tokenizer if engine_args.tokenizer != engine_args.model else None
-        self.tokenizer = load_tokenizer(self.model_folder, tokenizer_source)
-        self.model_runner = ModelRunner(
-            self.spec,
-            self.model_folder,
-            engine_args.load_format,
-            self.dtype,
-            self.device,
-            engine_args.runner_options,
-            engine_args.seed,
-            self.moe_config,
-            expert_group,
-        )
+        hf_config, expert_group = self._load_model(dp_group)
         self.zero_overhead = engine_args.zero_overhead_scheduling
         self.use_cuda_graph = self.device.type == "cuda" and not engine_args.enforce_eager and self.role.decodes
         self._init_cache()
@@ -145,6 +127,30 @@ class LLMEngine:
             self.cache_config.block_size,
             "on" if self.zero_overhead else "off",
         )
+
+    def _load_model(self, dp_group: DPGroup | None):
+        """The model's configs, tokenizer and runner; returns the HF config and the EP group."""
+        engine_args = self.args
+        self.model_folder, hf_config = resolve_model(engine_args.model, engine_args.cache_dir)
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.scheduler_config = engine_args.create_scheduler_config(self.spec.max_position_embeddings)
+        self.cache_config = engine_args.create_cache_config()
+        self.moe_config = engine_args.create_moe_config(self.scheduler_config)  # EP, EPLB, workspace
+        expert_group = expert_group_of(dp_group, self.moe_config, self.device)  # None without EP
+        tokenizer_source = engine_args.tokenizer if engine_args.tokenizer != engine_args.model else None
+        self.tokenizer = load_tokenizer(self.model_folder, tokenizer_source)
+        self.model_runner = ModelRunner(
+            self.spec,
+            self.model_folder,
+            engine_args.load_format,
+            self.dtype,
+            self.device,
+            engine_args.runner_options,
+            engine_args.seed,
+            self.moe_config,
+            expert_group,
+        )
+        return hf_config, expert_group
 
     @property
     def name(self) -> str:
