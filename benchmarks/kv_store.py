@@ -104,10 +104,8 @@ class PrefillDecode:
     """One CE (it saves to the store) and a PE that ``restart`` replaces."""
 
     def __init__(self, args: dict, store: str):
-        from pdinfer.engine.completion_engine import CompletionEngine
-
         self.args, self.name = args, uuid.uuid4().hex
-        self.ce = CompletionEngine(
+        self.ce = LLMEngine(
             EngineArgs(
                 engine_type="completion", kv_store=store, kv_transfer={"connector": "local", "name": self.name}, **args
             )
@@ -116,20 +114,19 @@ class PrefillDecode:
 
     def restart(self, store: str | None):
         from pdinfer.engine.pd_pair import PDPair
-        from pdinfer.engine.prefill_engine import PrefillEngine
 
         if self.pe is not None:
             self.pe.shutdown()
             self.pe = None
             _release_memory()
         self.ce.kv_store.flush()
-        self.pe = PrefillEngine(
+        self.pe = LLMEngine(
             EngineArgs(engine_type="prompt", kv_store=store, kv_transfer={"connector": "local"}, **self.args)
         )
         pair = PDPair(self.pe, self.ce)
 
         def add(request_id, prompt, params):  # PDPair.add_request, keeping the PE's sequence
-            reservation = self.ce.reserve(request_id, prompt, params)
+            reservation = self.ce.admit(request_id, prompt, params)
             return self.pe.add_request(request_id, prompt, params, reservation=reservation)
 
         return self.pe, pair, add

@@ -126,9 +126,7 @@ def _wait(poll):
 def ttft(lengths: list[int], repeats: int, connectors: list[str]) -> list[list]:
     """One PE/CE pair at a time (memory); NORMAL runs the same prompts alongside each pair."""
     from pdinfer import EngineArgs, LLMEngine, SamplingParams
-    from pdinfer.engine.completion_engine import CompletionEngine
     from pdinfer.engine.pd_pair import PDPair
-    from pdinfer.engine.prefill_engine import PrefillEngine
 
     common = dict(kv_cache_memory=2 << 30, enable_prefix_caching=False, max_num_batched_tokens=8192)
     normal = LLMEngine(EngineArgs(**common))
@@ -137,8 +135,8 @@ def ttft(lengths: list[int], repeats: int, connectors: list[str]) -> list[list]:
     for c in connectors:
         kv = {"connector": c}
         pair = PDPair(
-            PrefillEngine(EngineArgs(engine_type="prompt", kv_transfer=kv, **common)),
-            CompletionEngine(EngineArgs(engine_type="completion", kv_transfer=kv, **common)),
+            LLMEngine(EngineArgs(engine_type="prompt", kv_transfer=kv, **common)),
+            LLMEngine(EngineArgs(engine_type="completion", kv_transfer=kv, **common)),
         )
         for n in lengths:
             t_normal, t_pd = [], []
@@ -150,7 +148,7 @@ def ttft(lengths: list[int], repeats: int, connectors: list[str]) -> list[list]:
             rows.append(
                 [c, n, f"{a * 1e3:.0f}", f"{b * 1e3:.0f}", f"{(b - a) * 1e3:.0f}", f"{(b / a - 1) * 100:+.1f}%"]
             )
-        stats = pair.pe.handoff_stats
+        stats = pair.pe.role.handoff_stats
         print(
             f"{c} hand-offs: {stats['count']}, {stats['bytes'] / 2**20:.1f} MiB, "
             f"mean push->ack {stats['seconds'] / max(stats['count'], 1) * 1e3:.1f} ms"

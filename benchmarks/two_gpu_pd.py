@@ -17,8 +17,9 @@ def switch_connector(engine, kind: str) -> None:
     """Give a built PE or CE another transport (one engine load serves every transport)."""
     import dataclasses
 
-    engine.connector.close()
-    engine.pd_config = dataclasses.replace(engine.pd_config, connector=kind)
+    role = engine.role
+    role.connector.close()
+    role.pd_config = dataclasses.replace(role.pd_config, connector=kind)
     engine.init_pd_split()
 
 
@@ -26,10 +27,10 @@ def part_pe(setup: Setup, out: Path, port: int, kinds: list[str]) -> None:
     import msgspec
     import zmq
 
+    from pdinfer import LLMEngine
     from pdinfer.engine.pd_common import Reservation
-    from pdinfer.engine.prefill_engine import PrefillEngine
 
-    pe = PrefillEngine(
+    pe = LLMEngine(
         setup.engine_args("prompt", setup.devices[0], {"connector": kinds[0], "staging_mib": 64 if setup.dry else 2048})
     )
     sock = zmq.Context.instance().socket(zmq.PAIR)
@@ -51,9 +52,9 @@ def part_pe(setup: Setup, out: Path, port: int, kinds: list[str]) -> None:
                 pe.add_request(msg["rid"], {"prompt_token_ids": msg["ids"]}, greedy(msg["n"]), reservation=reservation)
             elif msg["op"] == "stats":
                 stats = dict(
-                    pe.handoff_stats,
+                    pe.role.handoff_stats,
                     free_blocks=[pe.get_num_free_blocks(), pe.num_blocks],
-                    staged_bytes=getattr(pe.connector, "staged_bytes", 0),
+                    staged_bytes=getattr(pe.role.connector, "staged_bytes", 0),
                 )
                 sock.send_json({"op": "stats", "stats": stats})
         if busy:
@@ -68,10 +69,10 @@ class CeDriver:
     def __init__(self, setup: Setup, port: int, kind: str):
         import zmq
 
-        from pdinfer.engine.completion_engine import CompletionEngine
+        from pdinfer import LLMEngine
 
         self.setup = setup
-        self.ce = CompletionEngine(setup.engine_args("completion", setup.devices[1], {"connector": kind}))
+        self.ce = LLMEngine(setup.engine_args("completion", setup.devices[1], {"connector": kind}))
         self.sock = zmq.Context.instance().socket(zmq.PAIR)
         self.sock.bind(f"tcp://127.0.0.1:{port}")
         assert self.sock.recv_json()["op"] == "ready"
@@ -83,13 +84,13 @@ class CeDriver:
     def submit(self, items: list[tuple[str, list[int]]], n: int) -> tuple[float, set[str]]:
         import msgspec
 
-        from pdinfer.engine.completion_engine import NoRoomError
+        from pdinfer.engine.pd_common import NoRoomError
 
         start = time.perf_counter()
         for rid, ids in items:
             while True:
                 try:
-                    reservation = self.ce.reserve(rid, {"prompt_token_ids": ids}, greedy(n))
+                    reservation = self.ce.role.reserve(rid, {"prompt_token_ids": ids}, greedy(n))
                     break
                 except NoRoomError:
                     self.ce.step()  # decode until blocks free up (back-pressure)
@@ -104,7 +105,7 @@ class CeDriver:
 
     def transport(self, kind: str) -> dict:
         setup, ce = self.setup, self.ce
-        if ce.pd_config.connector != kind:
+        if ce.role.pd_config.connector != kind:
             switch_connector(ce, kind)
             assert self.ask({"op": "switch", "kind": kind})["op"] == "switched"
         result = {"micro": micro_receive(ce, self, setup.micro_blocks, setup.micro_reps)}
@@ -148,17 +149,17 @@ def micro_send(pe, msg: dict) -> dict:
     from pdinfer.engine.pd_common import kv_layout
     from pdinfer.kv_transfer.protocol import KVAck, KVPush
 
-    conn = pe.pd_config.make_connector(listen=False, engine_type=1, device=pe.device)
+    conn = pe.role.pd_config.make_connector(listen=False, engine_type=1, device=pe.device)
     conn.register(kv_layout(pe))
     instance = conn.connect(msg["address"])
-    pe.connector, bench = conn, pe.connector  # _read_kv stages through the bench connector
+    pe.role.connector, bench = conn, pe.role.connector  # _read_kv stages through the bench connector
     result, failed = {}, []
     try:
         for nblocks in msg["sizes"]:
             pending: set[str] = set()
             start = time.perf_counter()
             for rep in range(msg["reps"]):
-                payload, nbytes, crc = pe._read_kv(list(range(nblocks))).finish()
+                payload, nbytes, crc = pe.role._read_kv(list(range(nblocks))).finish()
                 push = KVPush(
                     transfer_id=f"m{nblocks}-{rep}",
                     request_id="micro",
@@ -187,7 +188,7 @@ def micro_send(pe, msg: dict) -> dict:
                 "ms_per_push": 1e3 * elapsed / msg["reps"],
             }
     finally:
-        pe.connector = bench
+        pe.role.connector = bench
         conn.close()
     return {"sizes": result, "failed": failed}
 
@@ -198,7 +199,7 @@ def micro_receive(ce, driver, sizes: list[int], reps: int) -> dict:
 
     from pdinfer.engine.pd_common import kv_layout
 
-    conn = ce.pd_config.make_connector(listen=True, engine_type=2, device=ce.device)
+    conn = ce.role.pd_config.make_connector(listen=True, engine_type=2, device=ce.device)
     conn.register_kv_cache(ce.model_runner.cache.kv)
     conn.register(kv_layout(ce))
     cache = ce.model_runner.cache

@@ -69,7 +69,7 @@ def test_bfloat16_pd_hand_off_equals_bfloat16_normal(prompt_ids):
     try:
         got = PDPair(pe, ce).generate(prompts, params)
         assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in expected]
-        assert pe.handoff_stats["count"] >= len(prompts)
+        assert pe.role.handoff_stats["count"] >= len(prompts)
         for engine in (pe, ce):
             assert engine.get_num_free_blocks() == engine.num_blocks, f"{engine.name} leaked KV blocks"
     finally:

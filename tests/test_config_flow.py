@@ -1,8 +1,9 @@
 """Settings flow one way (issue 26, items 1 and 4): the role's defaults go into the environment
 in one place (``EngineArgs``, the seed's setdefault), are read back once into fields, and from
 there reach the engine, the worker and the models as arguments. Only ``pdinfer.env`` writes the
-environment; the engine and everything below it never read it; code outside the engine asks a
-role what it does (``EngineType.answers_clients`` and the like), never which role it is.
+environment; the engine and everything below it never read it; code outside the role modules
+asks a role what it does (``EngineType.answers_clients``, ``engine.role.finalizes_seqs`` and the
+like), never which role it is (issue 26, item 1: the roles are components).
 
 The source walks parse pdinfer's modules (the same walk as test_imports.py); the behaviour tests
 build ``EngineArgs`` under a changing environment.
@@ -21,8 +22,10 @@ from pdinfer.cli_args import engine_args_from
 
 # The engine and what it stands on: settings arrive as fields, never from the environment.
 NO_ENV_READS = ("core", "layers", "models", "moe", "worker", "kv_transfer", "kv_store", "engine")
-# Code outside the engine: no "which role is it" checks.
-NO_ROLE_CHECKS = ("serving", "worker", "kv_store", "kv_transfer", "distributed")
+# The only places that ask which role an engine plays: the enum's own answers, the role defaults
+# of the config, the scheduler's switch (the seed's ``_schedule()``) and the role components.
+ROLE_CHECKS_ALLOWED = ("engine_type", "config", "core.scheduler", "engine.roles")
+ROLE_NAMES = {name.lower() for name in EngineType.__members__} | set(EngineType.__members__)
 
 
 def _in(module: str, packages: tuple[str, ...]) -> bool:
@@ -64,13 +67,26 @@ def _env_reads(tree: ast.AST) -> list[int]:
 
 
 def _role_checks(tree: ast.AST) -> list[int]:
-    return [
-        node.lineno
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute)
-        and getattr(node.value, "id", "") == "EngineType"
-        and node.attr in EngineType.__members__
-    ]
+    """``EngineType.PROMPT`` and the like, and comparisons of an ``engine_type`` or ``role``
+    with a constant (``engine_type == 1``, ``role != "prompt"``)."""
+    lines = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and getattr(node.value, "id", "") == "EngineType"
+            and node.attr in EngineType.__members__
+        ):
+            lines.append(node.lineno)
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            names = {getattr(side, "attr", getattr(side, "id", None)) for side in sides}
+            constants = [side.value for side in sides if isinstance(side, ast.Constant)]
+            if names & {"engine_type", "role"} and any(
+                c in ROLE_NAMES or (isinstance(c, int) and not isinstance(c, bool) and c in (0, 1, 2))
+                for c in constants
+            ):
+                lines.append(node.lineno)
+    return lines
 
 
 def _walk(rule, packages=None) -> dict[str, list[int]]:
@@ -94,9 +110,24 @@ def test_the_engine_and_below_never_read_the_environment():
     assert "pdinfer.config" in _walk(_env_reads)  # EngineArgs does, once: the walk sees reads
 
 
-def test_no_role_checks_outside_the_engine():
-    assert _walk(_role_checks, NO_ROLE_CHECKS) == {}
-    assert "pdinfer.engine.core" in _walk(_role_checks)  # the factory does: the walk sees them
+def test_role_checks_only_where_roles_are_defined():
+    found = _walk(_role_checks)
+    allowed = {module for module in found if _in(module, ROLE_CHECKS_ALLOWED)}
+    assert set(found) == allowed, {m: lines for m, lines in found.items() if m not in allowed}
+    # The walk sees the checks that are there: each role module names its role, the
+    # scheduler switches on it, the config sets its defaults.
+    assert {
+        "pdinfer.engine_type",
+        "pdinfer.config",
+        "pdinfer.core.scheduler",
+        "pdinfer.engine.roles.normal",
+        "pdinfer.engine.roles.prefill",
+        "pdinfer.engine.roles.completion",
+    } <= set(found)
+    # ...and both forms of a check: an enum member, and a comparison with a constant.
+    assert _role_checks(ast.parse("if e.engine_type is EngineType.PROMPT: pass")) == [1]
+    assert _role_checks(ast.parse("ok = engine.engine_type == 1 or r.role != 'completion'")) == [1, 1]
+    assert _role_checks(ast.parse("ok = seq.num_tokens == 1 or engine.engine_type is kind")) == []
 
 
 def test_engine_args_read_the_environment_once_and_explicit_arguments_win(monkeypatch):

@@ -166,9 +166,9 @@ def test_pd_over_device_connectors_equals_normal(connector, normal, prompt_ids):
         expected = normal.generate(prompts, GREEDY, use_tqdm=False)
         assert [g.error for g in got] == [None] * len(prompts)
         assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in expected]
-        assert pe.handoff_stats["count"] == len(prompts) and ce.refused_transfers == 0
+        assert pe.role.handoff_stats["count"] == len(prompts) and ce.role.refused_transfers == 0
         assert pe.get_num_free_blocks() == pe.num_blocks and ce.get_num_free_blocks() == ce.num_blocks
-        assert pe.connector.staged_bytes == 0  # every staging region came back on its ack
+        assert pe.role.connector.staged_bytes == 0  # every staging region came back on its ack
     finally:
         pe.shutdown()
         ce.shutdown()

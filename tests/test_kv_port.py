@@ -129,11 +129,11 @@ def warnings_of_pdinfer(caplog):
 def test_the_kv_port_bounds_a_message_by_the_largest_legal_push(ce):
     bytes_per_block = ce.model_runner.require_cache().bytes_per_block
     limit = 16 * (bytes_per_block + 8) + CONTROL_FRAME_BYTES  # the payload, and 8 bytes a block id
-    assert ce.connector.max_message_bytes == limit
-    big, fine = Stranger(ce.kv_address), Stranger(ce.kv_address)
+    assert ce.role.connector.max_message_bytes == limit
+    big, fine = Stranger(ce.role.kv_address), Stranger(ce.role.kv_address)
     try:
-        big.send(encode(hello(ce.connector.layout, data_info=b"\0" * (limit + 1)), None))
-        fine.send(encode(hello(ce.connector.layout), None))
+        big.send(encode(hello(ce.role.connector.layout, data_info=b"\0" * (limit + 1)), None))
+        fine.send(encode(hello(ce.role.connector.layout), None))
         assert decode(fine.recv()[0], None).ok
         assert big.recv(timeout_s=2) is None  # ZeroMQ dropped the connection: never read in full
     finally:
@@ -143,24 +143,24 @@ def test_the_kv_port_bounds_a_message_by_the_largest_legal_push(ce):
 
 # --- item 7: pushes nobody asked for are refused at once, busy or idle ------------------------------
 def test_an_idle_ce_refuses_unsolicited_pushes_at_once(ce):
-    reservation = ce.reserve("idle", PROMPT, PARAMS)
+    reservation = ce.role.reserve("idle", PROMPT, PARAMS)
     nbytes = 3 * ce.model_runner.require_cache().bytes_per_block
     sender = TcpConnector()
-    sender.register(ce.connector.layout)
-    sender.connect(ce.kv_address)
+    sender.register(ce.role.connector.layout)
+    sender.connect(ce.role.kv_address)
     try:
         payload = b"\x01" * nbytes
         unknown = push_for(ce, reservation, payload, transfer_id=uuid.uuid4().hex)
         short = push_for(ce, reservation, payload[:-16])
-        sender.send(ce.kv_address, unknown, payload)
-        sender.send(ce.kv_address, short, payload[:-16])
+        sender.send(ce.role.kv_address, unknown, payload)
+        sender.send(ce.role.kv_address, short, payload[:-16])
         acks = wait_events(sender, 2)  # the CE is never stepped here
         assert len(acks) == 2 and not any(a.ok for a in acks)
         errors = {a.transfer_id: a.error for a in acks}
         assert "unknown" in errors[unknown.transfer_id]
         assert "bytes" in errors[reservation.transfer_id]
-        assert ce.connector.receive() == []  # nothing waits in the inbox
-        assert reservation.transfer_id in ce.reservations  # a bad push cost the reservation nothing
+        assert ce.role.connector.receive() == []  # nothing waits in the inbox
+        assert reservation.transfer_id in ce.role.reservations  # a bad push cost the reservation nothing
     finally:
         sender.close()
     ce.abort_request("idle")
@@ -170,38 +170,38 @@ def test_an_idle_ce_refuses_unsolicited_pushes_at_once(ce):
 
 # --- item 6: only the owner of a transfer aborts it ------------------------------------------------
 def test_an_abort_counts_only_from_the_connection_that_owns_the_transfer(ce):
-    victim = ce.reserve("victim", PROMPT, PARAMS)
+    victim = ce.role.reserve("victim", PROMPT, PARAMS)
     # A connection that never shook hands: its abort is refused. In order on one connection,
     # so once the Hello behind it is answered the abort was handled.
-    raw = Stranger(ce.kv_address)
+    raw = Stranger(ce.role.kv_address)
     raw.send(encode(KVAbort(transfer_id=victim.transfer_id, request_id="victim"), None))
-    raw.send(encode(hello(ce.connector.layout), None))
+    raw.send(encode(hello(ce.role.connector.layout), None))
     assert raw.recv() is not None
     raw.close()
     ce.step()
-    assert victim.transfer_id in ce.reservations
+    assert victim.transfer_id in ce.role.reservations
 
     pe, stranger = TcpConnector(), TcpConnector()
     for connector in (pe, stranger):
-        connector.register(ce.connector.layout)
-        connector.connect(ce.kv_address)
+        connector.register(ce.role.connector.layout)
+        connector.connect(ce.role.kv_address)
     try:
         payload = b"\x01" * (3 * ce.model_runner.require_cache().bytes_per_block)
-        pe.send(ce.kv_address, push_for(ce, victim, payload), payload)
+        pe.send(ce.role.kv_address, push_for(ce, victim, payload), payload)
         end = time.monotonic() + 30
-        while victim.transfer_id in ce.reservations:  # until the CE took the push over
+        while victim.transfer_id in ce.role.reservations:  # until the CE took the push over
             assert time.monotonic() < end, "the push never arrived"
             ce.step()
         # A handshaken stranger aborts it by its transfer id, then by its request id alone.
-        stranger.abort(ce.kv_address, KVAbort(transfer_id=victim.transfer_id, request_id="victim"))
-        stranger.abort(ce.kv_address, KVAbort(transfer_id=uuid.uuid4().hex, request_id="victim"))
+        stranger.abort(ce.role.kv_address, KVAbort(transfer_id=victim.transfer_id, request_id="victim"))
+        stranger.abort(ce.role.kv_address, KVAbort(transfer_id=uuid.uuid4().hex, request_id="victim"))
         outs = run_until_idle(ce)
         assert outs["victim"].error is None
         assert outs["victim"].outputs[0].finish_reason == "length"
         assert len(outs["victim"].outputs[0].token_ids) == 8
         # The owner's abort counts.
-        second = ce.reserve("second", PROMPT, PARAMS)
-        pe.abort(ce.kv_address, KVAbort(transfer_id=second.transfer_id, request_id="second"))
+        second = ce.role.reserve("second", PROMPT, PARAMS)
+        pe.abort(ce.role.kv_address, KVAbort(transfer_id=second.transfer_id, request_id="second"))
         outs = run_until_idle(ce)
         assert "aborted by the prefill engine" in outs["second"].error
     finally:
@@ -212,9 +212,9 @@ def test_an_abort_counts_only_from_the_connection_that_owns_the_transfer(ce):
 
 # --- item 6: the signed handshake ------------------------------------------------------------------
 def test_a_replayed_hello_is_refused(secret_ce):
-    message = hello(secret_ce.connector.layout)
+    message = hello(secret_ce.role.connector.layout)
     frame = encode(message, SECRET.encode())
-    first, replay = Stranger(secret_ce.kv_address), Stranger(secret_ce.kv_address)
+    first, replay = Stranger(secret_ce.role.kv_address), Stranger(secret_ce.role.kv_address)
     try:
         first.send(frame)
         ack = decode(first.recv()[0], SECRET.encode())
@@ -228,8 +228,8 @@ def test_a_replayed_hello_is_refused(secret_ce):
 
 
 def test_refused_messages_are_logged_once_per_peer(secret_ce, warnings_of_pdinfer):
-    layout = secret_ce.connector.layout
-    peers = [Stranger(secret_ce.kv_address) for _ in range(2)]  # two connections of one host
+    layout = secret_ce.role.connector.layout
+    peers = [Stranger(secret_ce.role.kv_address) for _ in range(2)]  # two connections of one host
     try:
         for peer in peers:
             for _ in range(3):

@@ -341,7 +341,7 @@ def _run_pair(pair, requests):
     """Reserve on the CE, prefill on the PE; returns the PE sequences and the final outputs."""
     pe_seqs = {}
     for request_id, prompt, params in requests:
-        reservation = pair.ce.reserve(request_id, prompt, params)
+        reservation = pair.ce.role.reserve(request_id, prompt, params)
         pe_seqs[request_id] = pair.pe.add_request(request_id, prompt, params, reservation=reservation)
     outs = {}
     while pair.has_unfinished_requests():

@@ -238,7 +238,7 @@ def test_pd_handoff_matches_transformers(case):
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         case.check(prompts, PDPair(pe, ce).generate([{"prompt_token_ids": p} for p in prompts], params), "P/D")
         num_blocks = sum(-(-len(p) // block_size) for p in prompts)
-        assert pe.handoff_stats["bytes"] == num_blocks * cache.bytes_per_block
+        assert pe.role.handoff_stats["bytes"] == num_blocks * cache.bytes_per_block
         _all_free(pe, ce)
     finally:
         pe.shutdown()

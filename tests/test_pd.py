@@ -113,7 +113,7 @@ def test_pd_output_equals_normal(tcp_pair, normal, prompt_ids, params):
             assert [list(p or ()) for p in g.prompt_logprobs] == [list(p or ()) for p in e.prompt_logprobs]
             for p, q in zip(g.prompt_logprobs[1:], e.prompt_logprobs[1:]):
                 assert list(p.values()) == pytest.approx(list(q.values()), abs=1e-4)
-    assert tcp_pair.pe.handoff_stats["count"] >= len(prompts)
+    assert tcp_pair.pe.role.handoff_stats["count"] >= len(prompts)
     assert not tcp_pair.pe.requests  # n > 1 included: the PE forgets each request once handed off
     all_free(tcp_pair.pe, tcp_pair.ce)
 
@@ -154,7 +154,7 @@ def test_first_token_comes_from_the_pe_and_ce_never_prefills(tcp_pair, prompt_id
     original = ce.post_schedule
     ce.post_schedule = lambda plan: (prefill_steps.append(plan.prompt_run), original(plan))
     try:
-        reservation = ce.reserve("solo", {"prompt_token_ids": prompt_ids[2]}, GREEDY)
+        reservation = ce.role.reserve("solo", {"prompt_token_ids": prompt_ids[2]}, GREEDY)
         pe_seq = tcp_pair.pe.add_request("solo", {"prompt_token_ids": prompt_ids[2]}, GREEDY, reservation=reservation)
         out = run(tcp_pair)["solo"]
     finally:
@@ -171,14 +171,14 @@ def test_ce_without_room_refuses_and_the_request_is_not_lost(connector, prompt_i
     small = ce_engine(num_kv_blocks=8, connector=connector, reservation_timeout_s=2.0)
     big = ce_engine(connector=connector)
     prompt = {"prompt_token_ids": prompt_ids[6]}  # ~60 tokens + margin: 5 blocks of 16
-    small.reserve("filler", prompt, GREEDY)  # 3 of the 8 blocks left: full for now
+    small.role.reserve("filler", prompt, GREEDY)  # 3 of the 8 blocks left: full for now
     with pytest.raises(NoRoomError):
-        small.reserve("r", prompt, GREEDY)
+        small.role.reserve("r", prompt, GREEDY)
     assert "r" not in small.requests
     small.abort_request("filler")
     drain(small)
     all_free(small)
-    reservation = big.reserve("r", prompt, GREEDY)  # the caller picks another CE
+    reservation = big.role.reserve("r", prompt, GREEDY)  # the caller picks another CE
     pe.add_request("r", prompt, GREEDY, reservation=reservation)
     out = run(PDPair(pe, big))["r"]
     assert out.error is None and len(out.outputs[0].token_ids) == 24
@@ -192,7 +192,7 @@ def test_a_ce_reserves_no_more_than_the_request_can_use(connector):
     # (4 blocks) must not make a request that fits look like one that never will.
     ce = ce_engine(num_kv_blocks=3, connector=connector, reservation_timeout_s=2.0)  # (mooncake: quarantine)
     params = SamplingParams(temperature=0.0, max_tokens=8)
-    reservation = ce.reserve("r", {"prompt_token_ids": list(range(1, 40))}, params)
+    reservation = ce.role.reserve("r", {"prompt_token_ids": list(range(1, 40))}, params)
     assert len(reservation.block_ids) == 3
     ce.abort_request("r")
     drain(ce)
@@ -215,11 +215,11 @@ def test_handshake_mismatch_is_refused_at_connect(connector):
     pe = PrefillEngine(
         EngineArgs(engine_type="prompt", kv_cache_memory=MEM, block_size=32, kv_transfer={"connector": connector})
     )
-    reservation = ce.reserve("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
+    reservation = ce.role.reserve("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
     pe.add_request("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY, reservation=reservation)
     out = _run_pe(pe)["r"]  # the handshake runs beside the PE's steps; its refusal ends the request
     assert out.finished and "block_size" in out.error
-    assert not pe.handoff_stats["count"]  # never prefilled, never pushed
+    assert not pe.role.handoff_stats["count"]  # never prefilled, never pushed
     ce.abort_request("r")
     drain(ce)
     all_free(pe, ce)
@@ -230,7 +230,7 @@ def test_handshake_mismatch_is_refused_at_connect(connector):
 def test_wrong_secret_is_refused_at_connect(connector):
     ce = ce_engine(secret="s3cret", connector=connector, reservation_timeout_s=1.0)
     pe = pe_engine(secret="guess", connector=connector)
-    reservation = ce.reserve("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
+    reservation = ce.role.reserve("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
     pe.add_request("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY, reservation=reservation)
     out = _run_pe(pe)["r"]
     assert out.finished and "authentication" in out.error
@@ -340,7 +340,7 @@ def _raw_push(ce, reservation, corrupt: str, connector: str):
     """Push K/V for a reservation from a hand-built sender, corrupted on purpose (in place: what
     lands in the CE's blocks does not match the push's checksum)."""
     sender = MooncakeConnector() if connector == "mooncake" else TcpConnector(secret=None)
-    sender.register(ce.connector.layout)
+    sender.register(ce.role.connector.layout)
     sender.connect(reservation.address)
     nbytes = ce.model_runner.cache.bytes_per_block * ce.block_manager.blocks_for(reservation.num_prompt_tokens)
     payload = bytearray(b"\x01" * nbytes)
@@ -368,7 +368,7 @@ def _raw_push(ce, reservation, corrupt: str, connector: str):
 @pytest.mark.parametrize("corrupt", ["flip", "truncate"])
 def test_corrupted_payload_is_refused_never_decoded(connector, corrupt):
     ce = ce_engine(connector=connector)
-    reservation = ce.reserve("r", {"prompt_token_ids": list(range(1, 40))}, GREEDY)
+    reservation = ce.role.reserve("r", {"prompt_token_ids": list(range(1, 40))}, GREEDY)
     sender = _raw_push(ce, reservation, corrupt, connector)
     end, outs, acks = time.monotonic() + 20, {}, []
     while not acks and time.monotonic() < end:
@@ -378,7 +378,7 @@ def test_corrupted_payload_is_refused_never_decoded(connector, corrupt):
         time.sleep(0.01)
     assert acks and not acks[0].ok and ("checksum" in acks[0].error or "bytes" in acks[0].error)
     if corrupt == "truncate":  # refused by the KV port on arrival: the reservation waits on
-        assert reservation.transfer_id in ce.reservations
+        assert reservation.transfer_id in ce.role.reservations
         ce.abort_request("r")
     end = time.monotonic() + 20
     while ce.has_unfinished_requests() and time.monotonic() < end:
@@ -401,7 +401,7 @@ def test_aborts_before_during_and_after_the_transfer_free_both_sides(connector, 
     # during: prefilled and pushed, not yet accepted by the CE
     pair.add_request("during", prompt, GREEDY)
     end = time.monotonic() + 30
-    while "during" not in {s.request_id for s in pe.handoffs.values()}:  # after its handshake
+    while "during" not in {s.request_id for s in pe.role.handoffs.values()}:  # after its handshake
         assert time.monotonic() < end, "'during' was never pushed"
         pe.step()
     pair.abort_request("during")
@@ -422,10 +422,10 @@ def test_aborts_before_during_and_after_the_transfer_free_both_sides(connector, 
 def test_dead_ce_makes_the_pe_free_its_blocks_within_the_lease(connector, prompt_ids):
     pe = pe_engine(lease_s=1.5, connector=connector)
     ce = ce_engine(reservation_timeout_s=4.0, connector=connector)  # longer than the prefill
-    reservation = ce.reserve("r", {"prompt_token_ids": prompt_ids[3]}, GREEDY)
-    pe.connector.connect(reservation.address)  # they shook hands (an earlier request)
+    reservation = ce.role.reserve("r", {"prompt_token_ids": prompt_ids[3]}, GREEDY)
+    pe.role.connector.connect(reservation.address)  # they shook hands (an earlier request)
     pe.add_request("r", {"prompt_token_ids": prompt_ids[3]}, GREEDY, reservation=reservation)
-    ce.connector.close()  # the CE stops answering before the K/V arrives
+    ce.role.connector.close()  # the CE stops answering before the K/V arrives
     start, outs = time.monotonic(), {}
     while pe.has_unfinished_requests():
         assert time.monotonic() - start < 15

@@ -43,23 +43,23 @@ def test_blocks_aborted_on_the_ce_stay_taken_until_the_pe_write_is_over(prompt_i
     pe = pe_engine(connector="mooncake")
     ce = ce_engine(num_kv_blocks=room, connector="mooncake", reservation_timeout_s=30)
     PDPair(pe, ce).add_request("r", prompt, params)
-    reserved = list(next(iter(ce.reservations.values())).block_table)
+    reserved = list(next(iter(ce.role.reservations.values())).block_table)
     ce.abort_request("r")  # the client left the CE; the PE has not heard and will write
     ce.step()
     assert ce.get_num_free_blocks() == 0
     with pytest.raises(NoRoomError):  # blocks the PE may write into go to no other request
-        ce.reserve("other", prompt, params)
+        ce.role.reserve("other", prompt, params)
     pe_outs, _ = _step_until([pe, ce], lambda: not pe.has_unfinished_requests())
     assert "aborted on the completion engine" in pe_outs["r"].error  # its push was refused
     assert _written(ce, reserved)  # the PE did write after the abort, into quarantined blocks
-    assert "r" not in ce.quarantined  # released once the push said the write was over
+    assert "r" not in ce.role.quarantined  # released once the push said the write was over
     all_free(pe, ce)
-    other = ce.reserve("other", prompt, params)
+    other = ce.role.reserve("other", prompt, params)
     ce.abort_request("other")
     ce.step()
     assert ce.get_num_free_blocks() == 0
     # A PE's abort ("I will not write") ends a quarantine at once.
-    pe.connector.abort(other.address, KVAbort(transfer_id=other.transfer_id, request_id="other"))
+    pe.role.connector.abort(other.address, KVAbort(transfer_id=other.transfer_id, request_id="other"))
     _step_until([ce], lambda: not ce.has_unfinished_requests(), limit_s=10)
     all_free(pe, ce)
     pe.shutdown()
@@ -68,7 +68,7 @@ def test_blocks_aborted_on_the_ce_stay_taken_until_the_pe_write_is_over(prompt_i
 
 def test_a_quarantine_without_a_pe_ends_at_the_timeout():
     ce = ce_engine(connector="mooncake", reservation_timeout_s=1.0)
-    reservation = ce.reserve("r", {"prompt_token_ids": list(range(1, 40))}, GREEDY)
+    reservation = ce.role.reserve("r", {"prompt_token_ids": list(range(1, 40))}, GREEDY)
     ce.abort_request("r")
     ce.step()
     assert ce.get_num_free_blocks() == ce.num_blocks - len(reservation.block_ids)
@@ -81,7 +81,7 @@ def test_pe_never_writes_after_the_reservation_expired(prompt_ids):
     pe = pe_engine(connector="mooncake")
     ce = ce_engine(connector="mooncake", reservation_timeout_s=0.5)
     prompt = {"prompt_token_ids": prompt_ids[3]}
-    reservation = ce.reserve("r", prompt, GREEDY)
+    reservation = ce.role.reserve("r", prompt, GREEDY)
     pe.add_request("r", prompt, GREEDY, reservation=reservation)
     time.sleep(0.6)  # the prefill finishes after the CE's reservation timeout
     pe_outs, _ = _step_until([pe, ce], lambda: not (pe.has_unfinished_requests() or ce.has_unfinished_requests()))

@@ -1,5 +1,6 @@
 """One engine class, three roles: the seed's invariants, the hook order, fork_seq and n > 1,
-and the in-process shape of a P/D hand-off. Model output is checked against transformers."""
+a plain ``LLMEngine`` of each role (the role is a component built from ``EngineArgs``) and the
+in-process shape of a P/D hand-off. Model output is checked against transformers."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from conftest import assert_blocks_back
 
 from pdinfer import EngineArgs, EngineType, LLMEngine, SamplingParams, env
 from pdinfer.core.outputs import SchedulerOutputs
+from pdinfer.engine.pd_pair import PDPair
+from pdinfer.engine.roles import CompletionRole, NormalRole, PrefillRole
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SMALL = dict(kv_cache_memory=640 << 20)
@@ -42,6 +45,7 @@ class Traced(LLMEngine):
     def init_pd_split(self):
         self.trace.append("init_pd_split")
         self.pd_split_saw_cache = self.model_runner.cache is not None and not hasattr(self, "scheduler")
+        super().init_pd_split()
 
     def _launch(self, plan, in_flight=None):
         inflight = super()._launch(plan, in_flight)
@@ -79,6 +83,8 @@ for _name in [
 
 
 def engine(role=EngineType.NORMAL, cls=LLMEngine, copy_state_for_all=False, **kwargs):
+    if role is not EngineType.NORMAL:
+        kwargs.setdefault("kv_transfer", {"connector": "local"})  # a CE listens at its own name
     args = EngineArgs(engine_type=role, **{**SMALL, **kwargs})
     if cls is Traced:
         return Traced(args, copy_state_for_all=copy_state_for_all)
@@ -154,15 +160,25 @@ def test_completion_engine_refuses_recompute_preemption_and_context_parallel():
 
 
 def test_prompt_never_finalizes_while_normal_does():
+    prompt = {"prompt_token_ids": [1, 2, 3, 4, 5]}
     counts = {}
     for role in (EngineType.PROMPT, EngineType.NORMAL):
         e = engine(role, cls=Traced)
-        e.add_request("r", {"prompt_token_ids": [1, 2, 3, 4, 5]}, GREEDY)
-        e.step()  # prefill
-        e.abort_request("r")
-        e.step()  # the plan carries the aborted sequence as finished
+        ce = engine(EngineType.COMPLETION) if role is EngineType.PROMPT else None
+        for rid in ("waiting", "prefilled"):
+            e.add_request(rid, prompt, GREEDY, reservation=ce.admit(rid, prompt, GREEDY) if ce else None)
+        e.abort_request("waiting")  # the next plan carries it as finished
+        e.step()  # prefills the other (a PE pushes it to the CE)
+        e.abort_request("prefilled")
+        e.step()  # the plan carries it as finished (on a PE: its hand-off was failed at once)
         counts[role] = e.trace.count("finalize_seq")
-    assert counts == {EngineType.PROMPT: 0, EngineType.NORMAL: 1}
+        assert_blocks_back(e)
+        if ce is not None:
+            run_all(ce)  # the PE's aborts free the CE's reservations
+            assert_blocks_back(ce)
+            ce.shutdown()
+        e.shutdown()
+    assert counts == {EngineType.PROMPT: 0, EngineType.NORMAL: 2}
 
 
 class RunWhenWaited(Future):
@@ -252,9 +268,14 @@ def test_hook_order_normal():
 def test_hook_order_prompt():
     e = engine(EngineType.PROMPT, cls=Traced)
     assert e.trace == ["init_pd_split"] and e.pd_split_saw_cache
-    e.add_request("r", {"prompt_token_ids": [5, 6, 7, 8]}, GREEDY)
+    ce = engine(EngineType.COMPLETION)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    e.add_request("r", prompt, GREEDY, reservation=ce.admit("r", prompt, GREEDY))
     e.step()
     assert _split_steps(e.trace[1:]) == [PREFILL_STEP + ["send_processed_prompts"]]
+    run_all(PDPair(e, ce))
+    e.shutdown()
+    ce.shutdown()
 
 
 def test_hook_order_with_zero_overhead_scheduling(monkeypatch):
@@ -378,23 +399,58 @@ def test_n_outputs_compute_the_prompt_once(prompt_ids):
     ids=["greedy", "seeded"],
 )
 def test_sequence_handed_to_a_completion_engine_decodes_without_prefill(prompt_ids, params):
+    """The hand-off's shape by hand, with no connector: another engine's prefilled sequence,
+    its K/V copied into this CE's blocks, decodes here (``fork_request``) without a prefill."""
     ids = prompt_ids[6]
     normal = engine()
     normal.add_request("r", {"prompt_token_ids": ids}, params)
     expected = run_all(normal)["r"].outputs[0].token_ids
 
-    pe = engine(EngineType.PROMPT)
-    seq, _ = _prefill_one(pe, ids, params, rid="r")
+    prefiller = engine()  # one prefill step, as a PE's
+    seq, _ = _prefill_one(prefiller, ids, params, rid="r")
     ce = engine(EngineType.COMPLETION, cls=Traced)
     blocks = ce.block_manager.allocate_blocks(len(seq.block_table))
-    ce.model_runner.cache.write_blocks(blocks, pe.model_runner.cache.read_blocks(seq.block_table))
+    ce.model_runner.cache.write_blocks(blocks, prefiller.model_runner.cache.read_blocks(seq.block_table))
     ce.fork_request(seq, blocks=blocks)
     out = run_all(ce)["r"]
     assert out.outputs[0].token_ids == expected
-    assert out.outputs[0].token_ids[0] == seq.output_token_ids[0]  # the first token is the PE's
+    assert out.outputs[0].token_ids[0] == seq.output_token_ids[0]  # the first token is the prefill's
     assert "pe_prepare_save_kvcache" not in ce.trace  # no prefill step ran on the CE
     assert ce.trace.count("launch") == len(expected) - 1
     assert_blocks_back(ce)
-    pe.scheduler.remove_seq(seq)  # the base PROMPT engine hands nothing over: release by hand
-    pe.scheduler.free_seq(seq)
-    assert pe.get_num_free_blocks() == pe.num_blocks
+    ce.shutdown()
+    prefiller.abort_request("r")
+    run_all(prefiller)
+    assert_blocks_back(prefiller)
+
+
+def test_plain_llm_engines_of_each_role_hand_off_like_normal(prompt_ids):
+    """``LLMEngine(EngineArgs(engine_type=...))`` is a whole PE and a whole CE: the role is a
+    component built from the args (no subclass), and a hand-off through them gives NORMAL's
+    greedy tokens, every block back on both sides."""
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids[:4]]
+    normal = engine()
+    assert type(normal.role) is NormalRole
+    expected = [out.outputs[0].token_ids for out in _generate(normal, prompts)]
+
+    kv = {"connector": "local"}
+    pe = LLMEngine(EngineArgs(engine_type=EngineType.PROMPT, kv_transfer=kv, **SMALL))
+    ce = LLMEngine(EngineArgs(engine_type=EngineType.COMPLETION, kv_transfer=kv, **SMALL))
+    assert type(pe) is type(ce) is LLMEngine
+    assert isinstance(pe.role, PrefillRole) and isinstance(ce.role, CompletionRole)
+    outputs = PDPair(pe, ce).generate(prompts, GREEDY)
+    assert [out.outputs[0].token_ids for out in outputs] == expected
+    assert all(out.error is None for out in outputs)
+    assert pe.role.handoff_stats["count"] == len(prompts)
+    assert not pe.role.handoffs and not ce.role.reservations
+    assert_blocks_back(pe)
+    assert_blocks_back(ce)
+    pe.shutdown()
+    ce.shutdown()
+
+
+def _generate(e, prompts):
+    for i, prompt in enumerate(prompts):
+        e.add_request(str(i), prompt, GREEDY)
+    outputs = run_all(e)
+    return [outputs[str(i)] for i in range(len(prompts))]

@@ -1,7 +1,7 @@
 """One rank of a DP group: ``python -m pdinfer.distributed.dp_rank '<RankConfig JSON>'``.
 
-Each rank runs its own engine of the group's role (``build_engine``: a NORMAL engine, a PE or
-a CE) and step loop; the front (``dp_front``) starts the ranks, sends them requests and reads
+Each rank runs its own engine of the group's role (``LLMEngine`` with its role: a NORMAL
+engine, a PE or a CE) and step loop; the front (``dp_front``) starts the ranks, sends them requests and reads
 back their answers and outputs over ZeroMQ. A CE rank listens on a K/V port of its own: the
 reservations it makes name that port, so a PE pushes to the rank that reserved.
 
@@ -179,7 +179,7 @@ class RankLoop:
     def stats(self) -> RankStats:
         sched, blocks = self.engine.scheduler, self.engine.block_manager
         eplb = self.engine.eplb.stats if self.engine.eplb is not None else None
-        handoffs = getattr(self.engine, "handoff_stats", None) or {}  # a PE's
+        handoffs = self.engine.role.handoff_stats or {}  # a PE's
         return RankStats(
             num_waiting=len(sched.waiting),
             num_running=len(sched.running),
@@ -207,7 +207,8 @@ class RankLoop:
 
 def run_rank(cfg: RankConfig) -> int:
     from pdinfer.distributed.dp_group import TorchDPGroup
-    from pdinfer.engine.core import build_engine
+    from pdinfer.engine.heap import freeze_startup_heap
+    from pdinfer.engine.llm_engine import LLMEngine
 
     identity = f"rank{cfg.rank}.gen{cfg.generation}".encode()
     channel = FrontChannel(cfg.front_address, identity)
@@ -222,9 +223,10 @@ def run_rank(cfg: RankConfig) -> int:
             backend=cfg.backend,
             timeout_s=cfg.timeout_s,
         )
-        engine = build_engine(rank_engine_args(cfg), dp_group=group)
+        engine = LLMEngine(rank_engine_args(cfg), dp_group=group)
+        freeze_startup_heap()  # the rank's process hosts this engine until it exits
         group.join(cfg.startup_timeout_s, device=engine.device)
-        kv_address = getattr(engine, "kv_address", None)  # a CE's
+        kv_address = engine.role.kv_address  # a CE's
         block_size = engine.cache_config.block_size
         channel.send(RankReady(cfg.rank, cfg.generation, os.getpid(), engine.num_blocks, block_size, kv_address))
         RankLoop(cfg, engine, group, channel).run()

@@ -37,7 +37,6 @@ from pdinfer.engine.core_messages import (
     encode,
     take_stats,
 )
-from pdinfer.engine_type import EngineType
 
 logger = logging.getLogger("pdinfer")
 
@@ -51,25 +50,9 @@ class CoreConfig(msgspec.Struct):
     parent_pid: int  # exit at once when this process is no longer our parent
 
 
-def build_engine(engine_args, dp_group=None):
-    """The engine class of the role: a PE or CE takes part in the P/D hand-off. ``dp_group``:
-    the rank's DP group, when the engine is one rank of a group (``distributed/dp_rank``)."""
-    if engine_args.role is EngineType.PROMPT:
-        from pdinfer.engine.prefill_engine import PrefillEngine
-
-        return PrefillEngine(engine_args, dp_group)
-    if engine_args.role is EngineType.COMPLETION:
-        from pdinfer.engine.completion_engine import CompletionEngine
-
-        return CompletionEngine(engine_args, dp_group)
-    from pdinfer.engine.llm_engine import LLMEngine
-
-    return LLMEngine(engine_args, dp_group)
-
-
 def refusal_kind(exc: BaseException) -> str | None:
     """How a refused add is reported to the client; None: not a refusal (a bug: fail loudly)."""
-    from pdinfer.engine.completion_engine import NoRoomError
+    from pdinfer.engine.pd_common import NoRoomError
     from pdinfer.kv_transfer.connector import HandshakeError
 
     if isinstance(exc, ValueError | TypeError):
@@ -84,7 +67,7 @@ def refusal_kind(exc: BaseException) -> str | None:
 def refusal_error(kind: str, message: str) -> BaseException:
     """The exception a client raises for a refused add (``refusal_kind``'s inverse)."""
     if kind == "no_room":
-        from pdinfer.engine.completion_engine import NoRoomError
+        from pdinfer.engine.pd_common import NoRoomError
 
         return NoRoomError(message)
     if kind == "handshake":
@@ -213,7 +196,7 @@ class EngineCore:
             vocab_size=engine.spec.vocab_size,
             num_total_blocks=engine.block_manager.num_total_blocks,
             block_size=engine.cache_config.block_size,
-            kv_address=getattr(engine, "kv_address", None),
+            kv_address=engine.role.kv_address,  # a CE's K/V port
         )
 
     def fail(self, error: str) -> None:
@@ -223,8 +206,11 @@ class EngineCore:
 
 def run_core(cfg: CoreConfig) -> int:
     from pdinfer.distributed.messages import engine_args_from_dict
+    from pdinfer.engine.heap import freeze_startup_heap
+    from pdinfer.engine.llm_engine import LLMEngine
 
-    engine = build_engine(engine_args_from_dict(cfg.engine_args))
+    engine = LLMEngine(engine_args_from_dict(cfg.engine_args))  # the role's engine
+    freeze_startup_heap()  # this process hosts the one engine until it exits (engine/heap.py)
     socket: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.setsockopt(zmq.SNDHWM, 0)  # never drop an output: the clients read as fast as they can
     socket.setsockopt(zmq.RCVHWM, 0)

@@ -34,7 +34,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_preemptions: int = 0
     num_aborted: int = 0
     num_steps: int = 0
-    # PE only: confirmed K/V hand-offs (``PrefillEngine.handoff_stats``), cumulative
+    # PE only: confirmed K/V hand-offs (``PrefillRole.handoff_stats``), cumulative
     num_handoffs: int = 0
     handoff_bytes: int = 0
     handoff_seconds: float = 0.0
@@ -58,7 +58,7 @@ class EngineStats(msgspec.Struct, frozen=True):
 
 def take_stats(engine, num_steps: int) -> EngineStats:
     scheduler, blocks = engine.scheduler, engine.block_manager
-    handoffs = getattr(engine, "handoff_stats", None) or {}
+    handoffs = engine.role.handoff_stats or {}
     pool = getattr(scheduler, "draft_pool", None)
     return EngineStats(
         num_waiting=len(scheduler.waiting),

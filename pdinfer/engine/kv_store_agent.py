@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdinfer.engine_type import EngineType
 from pdinfer.kv_store.backends import open_store
 from pdinfer.kv_store.loader import BlockLoader
 from pdinfer.kv_store.saver import BackgroundSaver, SaveJob
@@ -57,14 +56,17 @@ class KVStoreAgent:
         self.cache = engine.model_runner.require_cache()
         self.block_size = self.block_manager.block_size
         self.save_interval_tokens = save_interval_tokens
-        # Loaded blocks reach a prefill only through the prefix cache.
-        self.loads = engine.engine_type is not EngineType.COMPLETION and self.block_manager.enable_prefix_caching
-        if engine.engine_type is not EngineType.COMPLETION and not self.loads:
+        # The role's policy (``Role.loads_kv_store``, ``saves_kv_store``): a CE never prefills, so
+        # never loads; a PE's prompts are saved by their CE. Loaded blocks reach a prefill only
+        # through the prefix cache.
+        role = engine.role
+        self.loads = role.loads_kv_store and self.block_manager.enable_prefix_caching
+        if role.loads_kv_store and not self.loads:
             logger.warning("KV store: prefix caching is off, so this engine never loads from the store")
         max_blocks = self.block_manager.blocks_for(engine.scheduler_config.max_model_len)
         self.loader = BlockLoader(store, self.cache, max_blocks) if self.loads else None
         self.saver = None
-        if engine.engine_type is not EngineType.PROMPT:  # a PE's prompts are saved by their CE
+        if role.saves_kv_store:
             if max_pending_save_bytes is None:
                 max_pending_save_bytes = min(
                     MAX_PENDING_SAVE_BYTES, max(MIN_PENDING_SAVE_BYTES, max_blocks * self.cache.bytes_per_block)

@@ -1,5 +1,10 @@
 """``LLMEngine``: one class, three roles. The step loop and the hook points of the seed.
 
+The role is a component, ``self.role`` (``engine/roles/``), built from ``EngineArgs.role``: the
+hooks a role changes delegate to it, and so do admission (a CE's reservation), aborts, the
+waits on other engines and shutdown. ``LLMEngine(EngineArgs(engine_type=...))`` is a complete
+NORMAL engine, PE or CE.
+
 ``step_deltas()`` is the engine loop's step: it returns every request's new token ids
 (``RequestDelta``) and never detokenizes; an engine core (``engine/core``) ships those to its
 clients. ``step()`` is the same step with the client side in process (``OutputTracker``:
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdinfer.config import EngineArgs, default_kv_cache_memory_bytes
+from pdinfer.config import EngineArgs, SchedulerConfig, default_kv_cache_memory_bytes
 from pdinfer.core.block_manager import BlockManager
 from pdinfer.core.dp import DPGroup
 from pdinfer.core.outputs import SchedulerOutputs
@@ -34,7 +39,9 @@ from pdinfer.engine.detokenizer import Detokenizer
 from pdinfer.engine.kv_store_agent import KVStoreAgent
 from pdinfer.engine.output_processor import OutputProcessor
 from pdinfer.engine.output_tracker import OutputTracker
+from pdinfer.engine.pd_common import Reservation
 from pdinfer.engine.request import RequestState
+from pdinfer.engine.roles import Role, make_role
 from pdinfer.engine.speculative import build_draft_pool, mtp_cache_layers
 from pdinfer.engine.step_builder import StepBuilder
 from pdinfer.engine.step_log import StepLog
@@ -47,7 +54,7 @@ from pdinfer.outputs import RequestDelta, RequestOutput
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence, SequenceStatus
 from pdinfer.worker.executor import StepExecutor, StepFuture
-from pdinfer.worker.runner import make_runner
+from pdinfer.worker.runner import StepRunner, make_runner
 from pdinfer.worker.step_input import StepInput
 
 logger = logging.getLogger("pdinfer")
@@ -64,36 +71,24 @@ class InFlight:
 
 
 class LLMEngine:
+    # Typed here for the roles' view of the engine (``roles.EngineView``).
+    num_blocks: int
+    model_runner: StepRunner
+    block_manager: BlockManager
+    scheduler_config: SchedulerConfig
+
     def __init__(self, engine_args: EngineArgs, dp_group: DPGroup | None = None):
         self.args = engine_args
         self.engine_type: EngineType = engine_args.role
+        # First, before the model loads: a role's settings (``kv_transfer``) fail at once.
+        self.role: Role = make_role(self)
         self.parallel_config = engine_args.create_parallel_config()  # refuses CP for COMPLETION
         self.device, self.dtype = _device_and_dtype(engine_args)
         if self.device.type == "cpu" and engine_args.num_threads:
             torch.set_num_threads(engine_args.num_threads)
-        self.model_folder, hf_config = resolve_model(engine_args.model, engine_args.cache_dir)
-        self.spec = ModelSpec.from_hf_config(hf_config)
-        self.scheduler_config = engine_args.create_scheduler_config(self.spec.max_position_embeddings)
-        self.cache_config = engine_args.create_cache_config()
-        self.moe_config = engine_args.create_moe_config(self.scheduler_config)  # EP, EPLB, workspace
-        expert_group = expert_group_of(dp_group, self.moe_config, self.device)  # None without EP
-        tokenizer_source = engine_args.tokenizer if engine_args.tokenizer != engine_args.model else None
-        self.tokenizer = load_tokenizer(self.model_folder, tokenizer_source)
-        self.model_runner = make_runner(
-            self.spec,
-            self.model_folder,
-            engine_args.load_format,
-            self.dtype,
-            self.device,
-            engine_args.runner_options,
-            engine_args.seed,
-            self.moe_config,
-            expert_group,
-        )
+        hf_config, expert_group = self._load_model(dp_group)
         self.zero_overhead = engine_args.zero_overhead_scheduling
-        self.use_cuda_graph = (
-            self.device.type == "cuda" and not engine_args.enforce_eager and self.engine_type is not EngineType.PROMPT
-        )
+        self.use_cuda_graph = self.device.type == "cuda" and not engine_args.enforce_eager and self.role.decodes
         self._init_cache()
         self.block_manager = BlockManager(
             self.num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
@@ -134,6 +129,30 @@ class LLMEngine:
             "on" if self.zero_overhead else "off",
         )
 
+    def _load_model(self, dp_group: DPGroup | None):
+        """The model's configs, tokenizer and runner; returns the HF config and the EP group."""
+        engine_args = self.args
+        self.model_folder, hf_config = resolve_model(engine_args.model, engine_args.cache_dir)
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.scheduler_config = engine_args.create_scheduler_config(self.spec.max_position_embeddings)
+        self.cache_config = engine_args.create_cache_config()
+        self.moe_config = engine_args.create_moe_config(self.scheduler_config)  # EP, EPLB, workspace
+        expert_group = expert_group_of(dp_group, self.moe_config, self.device)  # None without EP
+        tokenizer_source = engine_args.tokenizer if engine_args.tokenizer != engine_args.model else None
+        self.tokenizer = load_tokenizer(self.model_folder, tokenizer_source)
+        self.model_runner = make_runner(
+            self.spec,
+            self.model_folder,
+            engine_args.load_format,
+            self.dtype,
+            self.device,
+            engine_args.runner_options,
+            engine_args.seed,
+            self.moe_config,
+            expert_group,
+        )
+        return hf_config, expert_group
+
     @property
     def name(self) -> str:
         return f"{self.engine_type.name}_{self.device.type}"
@@ -161,7 +180,7 @@ class LLMEngine:
                 extra_layers=mtp_cache_layers(self.args),
             )
         self.model_runner.init_cache(self.num_blocks, cc.block_size)
-        if self.engine_type is not EngineType.NORMAL:
+        if self.role.pd_split:
             # After the KV cache exists (a connector may register it), before graph capture.
             self.init_pd_split()
         if self.use_cuda_graph:  # the warm-up step: capture decode graphs over the real cache
@@ -176,12 +195,12 @@ class LLMEngine:
         self.model_runner.require_cache().init_states(num_slots, tuple(shape))
         return StateManager(num_slots)
 
-    # --- the hooks (base implementations are the seed's defaults) ---------------------------------
+    # --- the hooks (DeepInfer's names; the role's where it differs) -------------------------------
     def init_pd_split(self) -> None:
-        pass
+        self.role.init_pd_split()
 
     def post_schedule(self, outputs: SchedulerOutputs) -> None:
-        pass
+        self.role.post_schedule(outputs)
 
     def should_copy_state(self, seq: Sequence) -> bool:
         return False
@@ -205,18 +224,16 @@ class LLMEngine:
         self.copy_state_event = self.executor.submit_call(copy)
 
     def do_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
-        if self.kv_store is not None:  # COMPLETION/NORMAL: full blocks go to the KV store
-            self.kv_store.save(scheduled, finished)
+        self.role.do_save_kvcache(scheduled, finished)  # COMPLETION/NORMAL: the KV store's saves
 
     def pe_prepare_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
-        if self.kv_store is not None:  # NORMAL finalizes after prefill steps too
-            self.kv_store.save([], finished)
+        self.role.pe_prepare_save_kvcache(scheduled, finished)  # PROMPT: stage the hand-off's K/V
 
     def pe_do_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
-        pass
+        self.role.pe_do_save_kvcache(scheduled, finished)  # PROMPT: push K/V + first token
 
     def send_processed_prompts(self) -> None:
-        pass
+        self.role.send_processed_prompts()
 
     def finalize_seq(self, seq: Sequence) -> None:
         self.scheduler.free_seq(seq)
@@ -232,9 +249,17 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
         enqueue: bool = True,
+        reservation: Reservation | None = None,
     ) -> Sequence:
         """Create a request's first sequence; ``enqueue=False`` leaves it out of the scheduler
-        (a CE builds it, reserves blocks and enqueues it once its K/V has arrived)."""
+        (a CE builds it, reserves blocks and enqueues it once its K/V has arrived). A PE takes
+        only requests with the ``reservation`` a CE made for them."""
+        return self.role.add_request(request_id, prompt, sampling_params, arrival_time, enqueue, reservation)
+
+    def build_request(
+        self, request_id: str, prompt, sampling_params: SamplingParams | None, arrival_time: float | None, enqueue: bool
+    ) -> Sequence:
+        """Validate, build and admit a request's first sequence (every role's first part)."""
         params = sampling_params or SamplingParams()
         params.verify()
         if request_id in self.requests:
@@ -264,13 +289,13 @@ class LLMEngine:
             self.scheduler.add_sequence(seq)
         return seq
 
-    def admit(self, request_id: str, prompt, sampling_params: SamplingParams, reservation=None):
+    def admit(
+        self, request_id: str, prompt, sampling_params: SamplingParams, reservation: Reservation | None = None
+    ) -> Reservation | None:
         """A client's request (an engine core's ``AddRequest``); returns what the client is
-        answered: nothing here, a reservation on a CE (``CompletionEngine.admit``)."""
-        if reservation is not None:
-            raise ValueError("only a prefill engine takes a reservation")
-        self.add_request(request_id, prompt, sampling_params)
-        return None
+        answered: a CE's reservation (``CompletionRole.reserve``), else None. A PE takes the
+        ``reservation`` a CE made."""
+        return self.role.admit(request_id, prompt, sampling_params, reservation)
 
     def fork_request(
         self,
@@ -327,6 +352,10 @@ class LLMEngine:
         return tuple(sorted(ids))
 
     def abort_request(self, request_id: str) -> None:
+        if not self.role.abort_request(request_id):  # a CE's reservation ends there
+            self.drop_request(request_id)
+
+    def drop_request(self, request_id: str) -> None:
         state = self.requests.get(request_id)
         if state is None:
             return
@@ -336,13 +365,17 @@ class LLMEngine:
             if not seq.is_finished:  # not in the scheduler (e.g. a CE sequence not yet enqueued)
                 self.output_processor.abort(seq)
         state.error = state.error or "aborted"
+        self.publish(state)
+
+    def publish(self, state: RequestState) -> None:
         self._ready_outputs.append(self._report(state))
 
     def stop_seq(self, request_id: str, index: int) -> None:
         """End output ``index`` of a request: a stop string completed it (the client side found
-        it). A no-op for a request or output that already ended."""
+        it). A no-op for a request or output that already ended, and on a role whose outputs
+        end elsewhere (a PE's end with its hand-off)."""
         state = self.requests.get(request_id)
-        if state is None:
+        if state is None or not self.role.ends_on_stop_strings:
             return
         for seq in state.seqs:
             if seq.index == index and not seq.is_finished:
@@ -353,19 +386,20 @@ class LLMEngine:
                     self.requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        # An empty step in flight (a DP rank's companion step) carries nothing to finish.
-        inflight = self._inflight is not None and not self._inflight.plan.is_empty
-        return bool(self.scheduler.has_unfinished_seqs() or inflight or self._ready_outputs)
+        return self.has_step_work() or self.role.waits_on_peers()
 
     def has_step_work(self) -> bool:
         """Whether a step would run something. A P/D role may have requests that only wait for
         another engine (a CE's reservations, a PE's acks): ``poll_peers`` serves those."""
-        return LLMEngine.has_unfinished_requests(self)
+        # An empty step in flight (a DP rank's companion step) carries nothing to finish.
+        inflight = self._inflight is not None and not self._inflight.plan.is_empty
+        return bool(self.scheduler.has_unfinished_seqs() or inflight or self._ready_outputs)
 
     def poll_peers(self) -> list[RequestDelta]:
         """Between steps, take what other engines sent (a P/D role's K/V arrivals, acks and
         handshakes) without launching a step; returns the outputs that produced. A DP rank
         calls it while no rank of its group has a step to run."""
+        self.role.poll_peers()
         outputs, self._ready_outputs = self._ready_outputs, []
         return outputs
 
@@ -416,6 +450,7 @@ class LLMEngine:
 
     def step_deltas(self) -> list[RequestDelta]:
         """One step of the engine loop: every request's new token ids, no text."""
+        self.role.begin_step()  # a CE takes the K/V that arrived
         if self.kv_store is not None:
             self.kv_store.load_waiting()  # stored prefixes become prefix-cache hits
         drained: list[RequestDelta] = []
@@ -436,9 +471,7 @@ class LLMEngine:
             to_copy = [seq for seq in plan.scheduled_seqs if self.should_copy_state(seq)]
             if to_copy:
                 self.do_copy_state(to_copy)
-        if self.engine_type is EngineType.PROMPT and not plan.prompt_run:
-            # A decode step on a PE would skip pe_do_save_kvcache: its hand-off would be lost.
-            raise RuntimeError("a PROMPT engine scheduled a decode step")
+        self.role.check_plan(plan)  # a PROMPT step must be a prompt_run
         for observe in self.step_observers:
             observe(plan)
         inflight = self._launch(plan, previous if constrained else None)
@@ -474,10 +507,10 @@ class LLMEngine:
     def _can_defer_masks(self) -> bool:
         """Whether a step's grammar masks may wait for the host work overlapped with its
         forward (``structured.DeferredMasks``): only where nothing waits for the launched step
-        before that host work (no KV store, EPLB or DP group; not a PROMPT engine, whose
-        hand-off reads the KV of a step it just launched)."""
+        before that host work (no KV store, EPLB or DP group; not a role whose hooks read the
+        KV of the step just launched, a PE's hand-off)."""
         return (
-            self.engine_type is not EngineType.PROMPT
+            self.role.defers_grammar_masks
             and self.kv_store is None
             and self.eplb is None
             and self.scheduler.dp_group.size == 1
@@ -516,7 +549,7 @@ class LLMEngine:
             self.do_save_kvcache(plan.scheduled_seqs, plan.finished_seqs)
         else:
             self.pe_prepare_save_kvcache(plan.scheduled_seqs, plan.finished_seqs)
-        if self.engine_type in (EngineType.COMPLETION, EngineType.NORMAL):
+        if self.role.finalizes_seqs:
             # PROMPT never finalizes: its sequences are handed over, and their blocks are freed
             # only once the hand-over is confirmed.
             for seq in plan.finished_seqs:
@@ -531,7 +564,7 @@ class LLMEngine:
         plan = inflight.plan
         if plan.prompt_run:
             self.pe_do_save_kvcache(plan.scheduled_seqs, plan.finished_seqs)
-        if self.engine_type is EngineType.PROMPT:
+        if self.role.hands_off_prompts:  # PROMPT
             self.send_processed_prompts()
         return outputs
 
@@ -548,6 +581,7 @@ class LLMEngine:
         if self.kv_store is not None:
             self.kv_store.close()  # writes the saves still queued
         self.executor.shutdown()
+        self.role.shutdown()  # a P/D role's connector
 
 
 def _device_and_dtype(args: EngineArgs) -> tuple[torch.device, torch.dtype]:

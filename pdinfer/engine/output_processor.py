@@ -26,7 +26,7 @@ class OutputProcessor:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         # A PE only samples first tokens for a CE: no stop checks, no forks (the CE does both).
-        self.prefill_only = False
+        self.first_tokens_only = engine.role.first_tokens_only
 
     def abort(self, seq: Sequence) -> None:
         seq.finish(SequenceStatus.FINISHED_ABORTED)
@@ -75,7 +75,7 @@ class OutputProcessor:
 
     def _apply_token(self, state: RequestState, seq: Sequence, copy: int, result: StepResult, index: int) -> None:
         token = result.token_ids[index]
-        if self.prefill_only:
+        if self.first_tokens_only:
             self._record_first_token(state, seq, copy, token, result, index)
         elif copy > 0:
             fork = self._fork(state, seq, copy, token)

@@ -1,4 +1,4 @@
-"""What the PE and CE share: the KV layout, reservations, connector settings."""
+"""What the PE and CE share: the KV layout, reservations, connector settings, ``NoRoomError``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ DEFAULT_LEASE_S = 30.0  # PE: free a handed-over request's blocks if the CE has 
 DEFAULT_RESERVATION_TIMEOUT_S = 60.0  # CE: drop a reservation whose K/V never arrived
 DEFAULT_DECODE_MARGIN_TOKENS = 16  # CE: reserve this much room for decode beyond the prompt
 CONNECTORS = ("tcp", "local", "mooncake", "cuda_ipc", "nccl")
+
+
+class NoRoomError(RuntimeError):
+    """This CE cannot hold the request now (back-pressure); try another CE or later."""
 
 
 @dataclass(frozen=True)

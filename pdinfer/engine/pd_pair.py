@@ -1,16 +1,16 @@
 """Drive a prefill engine and a completion engine together in one process.
 
 The same protocol as across processes (reserve on the CE, prefill and push on the PE, decode on
-the CE), for tests, notebooks and the P/D benchmarks. The engines may use the in-process or the
-TCP connector.
+the CE), for tests, notebooks and the P/D benchmarks: ``PDPair(LLMEngine(pe_args),
+LLMEngine(ce_args))``, whose args name the PROMPT and COMPLETION roles and the same connector
+(the in-process one or a networked one). The pair uses only what every engine has (``admit``).
 """
 
 from __future__ import annotations
 
 import itertools
 
-from pdinfer.engine.completion_engine import CompletionEngine
-from pdinfer.engine.prefill_engine import PrefillEngine
+from pdinfer.engine.llm_engine import LLMEngine
 from pdinfer.outputs import RequestOutput
 from pdinfer.sampling_params import SamplingParams
 
@@ -18,16 +18,18 @@ _ids = itertools.count()
 
 
 class PDPair:
-    def __init__(self, pe: PrefillEngine, ce: CompletionEngine):
+    def __init__(self, pe: LLMEngine, ce: LLMEngine):
+        if pe.engine_type.handoff_side != "prefill" or ce.engine_type.handoff_side != "decode":
+            raise ValueError("a P/D pair is a PROMPT engine and a COMPLETION engine")
         self.pe, self.ce = pe, ce
         self.errors: dict[str, RequestOutput] = {}
         self._prompt_logprobs: dict[str, list] = {}  # from the PE (which prefills) to the CE's outputs
 
     def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
         """Reserve on the CE first (raises NoRoomError when it is full), then prefill on the PE."""
-        reservation = self.ce.reserve(request_id, prompt, params)
+        reservation = self.ce.admit(request_id, prompt, params)  # the CE's reservation
         try:
-            self.pe.add_request(request_id, prompt, params, reservation=reservation)
+            self.pe.admit(request_id, prompt, params, reservation=reservation)
         except Exception:
             self.ce.abort_request(request_id)
             raise

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from pdinfer.engine.client import EngineClient, EngineDeadError, EngineOverloadedError
-from pdinfer.engine.completion_engine import NoRoomError
+from pdinfer.engine.pd_common import NoRoomError
 from pdinfer.kv_transfer.connector import HandshakeError
 from pdinfer.serving.pd_protocol import (
     DecodeEvent,
