@@ -49,10 +49,11 @@ _RESULT_FIELDS = (
 class PendingStepResult:
     """A launched step's outputs on their way to pinned host memory."""
 
-    def __init__(self, step_id: int, out: SamplerOutput | None):
+    def __init__(self, step_id: int, out: SamplerOutput | None, hidden: torch.Tensor | None = None):
         self.step_id = step_id
         self.host: dict[str, torch.Tensor] = {}
         self.event = None
+        self.hidden = hidden  # stays on the device (``StepResult.hidden``)
         if out is None:
             return
         pin = out.token_ids.is_cuda
@@ -71,7 +72,7 @@ class PendingStepResult:
             self.event.synchronize()  # releases the GIL while the device finishes
         lists = {name: t.tolist() for name, t in self.host.items()}
         token_ids = lists.pop("token_ids", [])
-        return StepResult(step_id=self.step_id, token_ids=token_ids, **lists)
+        return StepResult(step_id=self.step_id, token_ids=token_ids, hidden=self.hidden, **lists)
 
 
 class DeviceStepFuture:
@@ -133,7 +134,7 @@ class GpuStepRunner:
             batch_invariant=self.batch_invariant,
         )
 
-    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+    def capture_cuda_graphs(self, max_rows: int, max_model_len: int) -> None:
         from pdinfer.worker.cuda_graph import CudaGraphRunner
 
         reason = graph_blocker(self.model)
@@ -143,7 +144,7 @@ class GpuStepRunner:
         cache = self.runner.require_cache()
         max_blocks = -(-max_model_len // cache.block_size)
         self.graphs = CudaGraphRunner(
-            self.model, cache, max_batch, max_blocks, self.num_sms, self.decode_programs, self.batch_invariant
+            self.model, cache, max_rows, max_blocks, self.num_sms, self.decode_programs, self.batch_invariant
         )
         self.graphs.capture()
 
@@ -168,9 +169,8 @@ class GpuStepRunner:
             cache.clone_blocks(step.clone_src, step.clone_dst)
         if inp.num_tokens == 0:
             return PendingStepResult(inp.step_id, None)
-        hidden = None
         if graphs is not None and bucket is not None:
-            logits = graphs.run(step, self._fill_pending)
+            logits, hidden = graphs.run(step, self._fill_pending)
         else:
             self._fill_pending(step.input_ids, step)
             hidden = self.model(step.input_ids, step.positions, cache.kv, step.meta)
@@ -183,13 +183,18 @@ class GpuStepRunner:
             masks = constraint_tensors(inp.samples, self.device)
             step.sampling.mask_rows, step.sampling.masks = masks.get("mask_rows"), masks.get("masks")
         out = self.runner.sampler(logits, step.sampling)
-        if hidden is not None and step.prompt_rows is not None and step.prompt_targets is not None:
+        if step.prompt_rows is not None and step.prompt_targets is not None:  # an eager step
             prompt_hidden = hidden.index_select(0, step.prompt_rows)
             score_prompt(self.model.compute_logits, prompt_hidden, step.prompt_targets, inp.prompt_top_k, out)
         self._recent[inp.step_id] = out.token_ids
         while len(self._recent) > 4:
             self._recent.popitem(last=False)
-        result = PendingStepResult(inp.step_id, out)
+        # A hidden-state drafter (MTP) reads every row's; a graph's buffer is copied (the next
+        # replay overwrites it, possibly before the host has processed this step).
+        kept = None
+        if self.runner.keep_hidden:
+            kept = hidden.clone() if bucket is not None else hidden[: step.batch]
+        result = PendingStepResult(inp.step_id, out, kept)
         if start is not None and self.step_events is not None:
             self.step_events.append((start, self._mark()))
         return result

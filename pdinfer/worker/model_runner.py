@@ -117,7 +117,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.cache: CacheEngine | None = None
         # A hidden-state drafter (MTP) reads every row's last-layer hidden state: the last
-        # layer then computes all rows, and ``StepResult.hidden`` carries them (CPU only).
+        # layer then computes all rows, and ``StepResult.hidden`` carries them (on the device).
         self.keep_hidden = False
         # Sampled tokens of the last few steps, on the device, by step id (zero-overhead
         # scheduling feeds them to the next step before the host has seen them).
@@ -183,10 +183,11 @@ class ModelRunner:
             raise RuntimeError("init_cache first")
         return self.cache
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture decode CUDA graphs (after the KV cache exists; CUDA only)."""
+    def capture_cuda_graphs(self, max_rows: int, max_model_len: int) -> None:
+        """Capture decode CUDA graphs for steps of up to ``max_rows`` one-query rows (after the
+        KV cache exists; CUDA only)."""
         if self.gpu is not None:
-            self.gpu.capture_cuda_graphs(max_num_seqs, max_model_len)
+            self.gpu.capture_cuda_graphs(max_rows, max_model_len)
 
     # --- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
