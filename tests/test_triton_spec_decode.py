@@ -215,6 +215,29 @@ def test_a_verifying_step_computes_each_row_as_a_plain_decode_step(graphs):
     torch.testing.assert_close(verifying.cache.kv[table_a], plain.cache.kv[table_a])  # the same K/V written
 
 
+# --- KV capacity --------------------------------------------------------------------------------------
+def test_the_mtp_cache_is_counted_in_the_gpu_kv_budget(monkeypatch):
+    """A CUDA engine's profiled budget buys blocks of (layers + 1) / layers the main cache's
+    bytes when the MTP layer keeps its latent cache next to it (the device's memory faked)."""
+    from test_triton_kernels import _tiny_runner
+
+    from pdinfer.worker.cache_engine import block_bytes
+
+    gib = 2**30
+    fake = dict(synchronize=lambda: None, reset_peak_memory_stats=lambda: None, empty_cache=lambda: None)
+    fake.update(memory_allocated=lambda: 0, max_memory_allocated=lambda: gib, mem_get_info=lambda: (60 * gib, 80 * gib))
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    runner = _tiny_runner()
+    runner.gpu = GpuStepRunner(runner)
+    # no memory_bytes on CUDA; block size 4, a decode step of 8 rows, utilization 0.5
+    plain, with_mtp = (runner.profile_num_blocks(0, 4, 8, 8, True, 0.5, extra_layers=n) for n in (0, 1))
+    budget = (60 - 40 - 1) * gib - runner.gpu.kv_profile["reserve"]  # free - (1 - 0.5) x total - peak
+    per_block = block_bytes(runner.spec, 4, runner.kv_dtype)  # the tiny Llama's 2 layers
+    assert plain == budget // per_block
+    assert with_mtp == budget // (per_block * 3 // 2)
+
+
 # --- engines on the CUDA step path ------------------------------------------------------------------
 class _ReplayedForward:
     """A captured graph's stand-in on the CPU: ``replay`` runs the bucket's forward over the

@@ -33,14 +33,7 @@ def build_draft_pool(
     method = args.speculative_method
     if method is None or not args.role.drafts_tokens:
         return None
-    model, device = runner.model, runner.device
-    if device.type != "cpu":
-        raise ValueError(
-            "speculative decoding runs on the CPU only for now: the CUDA path (its decode attention "
-            "metadata and CUDA graphs) does not verify 1 + k-token decode rows yet; drop "
-            "speculative_method or use device='cpu'"
-        )
-    if getattr(model, "state_shape", None):
+    if getattr(runner.model, "state_shape", None):
         raise ValueError(
             "speculative decoding supports models with a paged K/V cache only (Llama, Qwen and "
             "DeepSeek families): a per-sequence state cannot roll back rejected drafts yet"

@@ -239,9 +239,11 @@ class GpuStepRunner:
         decode: bool,
         gpu_memory_utilization: float,
         graphs: bool = True,
+        extra_layers: int = 0,
     ) -> int:
         """KV blocks that fit in ``gpu_memory_utilization`` of the device next to the real peak
-        of this role's largest step, measured by running it (``max_memory_allocated``)."""
+        of this role's largest step, measured by running it (``max_memory_allocated``);
+        ``extra_layers``: cache layers outside the model's (the MTP drafter's), per block."""
         spec = self.spec
         seqs = num_tokens if decode else 1
         blocks_per_seq = 1 if decode else -(-num_tokens // block_size)
@@ -267,7 +269,9 @@ class GpuStepRunner:
         # A PE captures no graphs, so it keeps no room for them.
         graph_reserve = 256 * 2**20 + num_rows * spec.vocab_size * 4 if graphs else 0
         budget = free - (1.0 - gpu_memory_utilization) * total - peak - graph_reserve
-        per_block = block_bytes(spec, block_size, self.runner.kv_dtype)
+        per_block = (
+            block_bytes(spec, block_size, self.runner.kv_dtype) * (spec.num_layers + extra_layers) // spec.num_layers
+        )
         num_blocks = int(budget // per_block)
         # what decided it, for the GPU suite's role check (benchmarks/gpu_micro.py)
         self.kv_profile = {"peak": peak, "free": free, "total": total, "reserve": graph_reserve}

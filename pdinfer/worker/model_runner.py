@@ -146,7 +146,9 @@ class ModelRunner:
         ``graphs``: room is kept for CUDA graphs (an engine that captures them);
         ``extra_layers``: cache layers outside the model's (the MTP drafter's), per block."""
         if self.gpu is not None:  # measured: a dummy step of this shape, real peak memory
-            return self.gpu.profile_num_blocks(block_size, tokens, rows, decode, gpu_memory_utilization, graphs)
+            return self.gpu.profile_num_blocks(
+                block_size, tokens, rows, decode, gpu_memory_utilization, graphs, extra_layers
+            )
         peak = self.activation_bytes(tokens, rows)
         if self.dispatcher is not None:  # the all-to-all buffers, sized by the role's MoE workspace
             peak += self.dispatcher.workspace_bytes
