@@ -26,6 +26,18 @@ import numpy as np
 
 from pdinfer.sequence import Sequence
 
+# Steps of more decoding sequences than this draft nothing (``DraftPool.max_batch``): there every
+# extra row costs about what a sequence's row does (2-core Xeon: a 64-sequence batch lost 7 %
+# drafting text that does not repeat; H200, 8B shape: a verifying step of 64 sequences x 4 rows
+# took 2.1x a plain one), and a plain step keeps zero-overhead scheduling's overlap.
+MAX_DRAFT_BATCH = 16
+
+
+def max_verify_rows(max_num_seqs: int, num_draft_tokens: int, max_batch: int = MAX_DRAFT_BATCH) -> int:
+    """Rows of the largest verifying step: the largest batch that drafts, each sequence with
+    1 + k rows (what the CUDA graphs of a drafting engine must cover)."""
+    return min(max_num_seqs, max_batch) * (1 + num_draft_tokens)
+
 
 class Drafter(Protocol):
     """Proposes up to ``k`` tokens that may follow ``seq``'s tokens (prompt and output so far).
@@ -126,7 +138,7 @@ class DraftPool:
         miss_limit: int = 2,
         first_pause: int = 4,
         max_pause: int = 64,
-        max_batch: int = 16,
+        max_batch: int = MAX_DRAFT_BATCH,
     ):
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1 to speculate, got {num_draft_tokens}")
@@ -134,10 +146,7 @@ class DraftPool:
         self.num_slots = num_slots
         self.num_draft_tokens = num_draft_tokens
         self.miss_limit, self.first_pause, self.max_pause = miss_limit, first_pause, max_pause
-        # Steps of more sequences than this draft nothing: there every extra row costs about what
-        # a sequence's row does (2-core Xeon: a 64-sequence batch lost 7 % drafting text that
-        # does not repeat), and a plain step keeps zero-overhead scheduling's overlap.
-        self.max_batch = max_batch
+        self.max_batch = max_batch  # steps of more sequences draft nothing (MAX_DRAFT_BATCH)
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._misses = [0] * num_slots  # steps in a row without an accepted draft
         self._pause = [0] * num_slots  # steps left without drafting

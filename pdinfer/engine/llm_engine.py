@@ -42,7 +42,7 @@ from pdinfer.engine.output_tracker import OutputTracker
 from pdinfer.engine.pd_common import Reservation
 from pdinfer.engine.request import RequestState
 from pdinfer.engine.roles import Role, make_role
-from pdinfer.engine.speculative import build_draft_pool, mtp_cache_layers
+from pdinfer.engine.speculative import build_draft_pool, decode_graph_rows, mtp_cache_layers
 from pdinfer.engine.step_builder import StepBuilder
 from pdinfer.engine.step_log import StepLog
 from pdinfer.engine_type import EngineType
@@ -184,7 +184,7 @@ class LLMEngine:
             # After the KV cache exists (a connector may register it), before graph capture.
             self.init_pd_split()
         if self.use_cuda_graph:  # the warm-up step: capture decode graphs over the real cache
-            self.model_runner.capture_cuda_graphs(sc.max_num_seqs, sc.max_model_len)
+            self.model_runner.capture_cuda_graphs(decode_graph_rows(self.args), sc.max_model_len)
 
     def _state_manager(self) -> StateManager | None:
         """State slots only for models with per-sequence state (none of the Llama family)."""

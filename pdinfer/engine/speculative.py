@@ -5,6 +5,10 @@ The drafter, the draft pool and the acceptance rule live in ``core/spec_decode.p
 only). The scheduler reserves 1 + k K/V slots for a drafting sequence, the step builder samples
 all its rows, the output processor accepts and rolls back; the worker runs the step as a
 decode step in which a speculating sequence is 1 + k rows, one per position (``StepBuilder``).
+
+On CUDA that step is a plain decode step too: the Triton kernels write every row's K/V before
+any row attends (``triton_paged``), each row carries its own context length, and the decode
+CUDA graphs are captured up to the largest verifying step's rows (``decode_graph_rows``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pdinfer.config import EngineArgs
-from pdinfer.core.spec_decode import Drafter, DraftPool, NgramDrafter
+from pdinfer.core.spec_decode import Drafter, DraftPool, NgramDrafter, max_verify_rows
 
 if TYPE_CHECKING:
     from pdinfer.engine.llm_engine import InFlight
@@ -29,14 +33,7 @@ def build_draft_pool(
     method = args.speculative_method
     if method is None or not args.role.drafts_tokens:
         return None
-    model, device = runner.model, runner.device
-    if device.type != "cpu":
-        raise ValueError(
-            "speculative decoding runs on the CPU only for now: the CUDA path (its decode attention "
-            "metadata and CUDA graphs) does not verify 1 + k-token decode rows yet; drop "
-            "speculative_method or use device='cpu'"
-        )
-    if getattr(model, "state_shape", None):
+    if getattr(runner.model, "state_shape", None):
         raise ValueError(
             "speculative decoding supports models with a paged K/V cache only (Llama, Qwen and "
             "DeepSeek families): a per-sequence state cannot roll back rejected drafts yet"
@@ -47,6 +44,18 @@ def build_draft_pool(
     else:
         drafter = NgramDrafter()
     return DraftPool(drafter, args.max_num_seqs, args.num_draft_tokens)
+
+
+def decode_graph_rows(args: EngineArgs) -> int:
+    """Rows the decode CUDA graphs cover: ``max_num_seqs``, or the largest verifying step where
+    the engine drafts (``max_verify_rows``: 16 sequences x (1 + k) rows at most, since larger
+    batches do not draft). ``CudaGraphRunner`` caps this at its largest bucket (256 rows): a
+    larger step is bound by its GEMMs' arithmetic, and the host's launch time that a graph saves
+    is a small part of it."""
+    rows = args.max_num_seqs
+    if args.speculative_method is not None and args.role.drafts_tokens:
+        rows = max(rows, max_verify_rows(args.max_num_seqs, args.num_draft_tokens))
+    return rows
 
 
 def mtp_cache_layers(args: EngineArgs) -> int:

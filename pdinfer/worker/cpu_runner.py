@@ -93,7 +93,7 @@ class CpuRunner(RunnerBase):
         logits = num_logit_rows * s.vocab_size * 4 * 4  # logits, probs, noise, sort
         return num_tokens * per_token + logits
 
-    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+    def capture_cuda_graphs(self, max_rows: int, max_model_len: int) -> None:
         """No graphs on the CPU: a decode step's layers run as one native call (``DecodeStack``)."""
 
     # --- one step ------------------------------------------------------------------------------

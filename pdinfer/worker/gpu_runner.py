@@ -51,10 +51,11 @@ _RESULT_FIELDS = (
 class PendingStepResult:
     """A launched step's outputs on their way to pinned host memory."""
 
-    def __init__(self, step_id: int, out: SamplerOutput | None):
+    def __init__(self, step_id: int, out: SamplerOutput | None, hidden: torch.Tensor | None = None):
         self.step_id = step_id
         self.host: dict[str, torch.Tensor] = {}
         self.event = None
+        self.hidden = hidden  # stays on the device (``StepResult.hidden``)
         if out is None:
             return
         pin = out.token_ids.is_cuda
@@ -73,7 +74,7 @@ class PendingStepResult:
             self.event.synchronize()  # releases the GIL while the device finishes
         lists = {name: t.tolist() for name, t in self.host.items()}
         token_ids = lists.pop("token_ids", [])
-        return StepResult(step_id=self.step_id, token_ids=token_ids, **lists)
+        return StepResult(step_id=self.step_id, token_ids=token_ids, hidden=self.hidden, **lists)
 
 
 class GpuRunner(RunnerBase):
@@ -116,7 +117,7 @@ class GpuRunner(RunnerBase):
             batch_invariant=self.batch_invariant,
         )
 
-    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+    def capture_cuda_graphs(self, max_rows: int, max_model_len: int) -> None:
         from pdinfer.worker.cuda_graph import CudaGraphRunner
 
         reason = graph_blocker(self.model)
@@ -126,7 +127,7 @@ class GpuRunner(RunnerBase):
         cache = self.require_cache()
         max_blocks = -(-max_model_len // cache.block_size)
         self.graphs = CudaGraphRunner(
-            self.model, cache, max_batch, max_blocks, self.num_sms, self.decode_programs, self.batch_invariant
+            self.model, cache, max_rows, max_blocks, self.num_sms, self.decode_programs, self.batch_invariant
         )
         # Decode graphs hold cuBLASLt's GEMMs: at decode sizes they ran the 8B shape's layer 6 %
         # faster than cuBLAS's (down_proj without a split-K reduce), a batch-64 step 6.15 ->
@@ -160,9 +161,8 @@ class GpuRunner(RunnerBase):
             cache.clone_blocks(step.clone_src, step.clone_dst)
         if inp.num_tokens == 0:
             return PendingStepResult(inp.step_id, None)
-        hidden = None
         if graphs is not None and bucket is not None:
-            logits = graphs.run(step, self._fill_pending)
+            logits, hidden = graphs.run(step, self._fill_pending)
         else:
             self._fill_pending(step.input_ids, step)
             keep = self._keep_rows(inp, step)
@@ -176,11 +176,16 @@ class GpuRunner(RunnerBase):
             masks = constraint_tensors(inp.samples, self.device)
             step.sampling.mask_rows, step.sampling.masks = masks.get("mask_rows"), masks.get("masks")
         out = self.sampler(logits, step.sampling)
-        if hidden is not None and step.prompt_rows is not None and step.prompt_targets is not None:
+        if step.prompt_rows is not None and step.prompt_targets is not None:  # an eager step
             prompt_hidden = hidden.index_select(0, step.prompt_rows)
             score_prompt(self.model.compute_logits, prompt_hidden, step.prompt_targets, inp.prompt_top_k, out)
         self._remember(inp.step_id, out.token_ids)
-        result = PendingStepResult(inp.step_id, out)
+        # A hidden-state drafter (MTP) reads every row's; a graph's buffer is copied (the next
+        # replay overwrites it, possibly before the host has processed this step).
+        kept = None
+        if self.keep_hidden:
+            kept = hidden.clone() if bucket is not None else hidden[: step.batch]
+        result = PendingStepResult(inp.step_id, out, kept)
         if start is not None and self.step_events is not None:
             self.step_events.append((start, self._mark()))
         return result
@@ -232,7 +237,8 @@ class GpuRunner(RunnerBase):
     ) -> int:
         """KV blocks that fit in ``gpu_memory_utilization`` of the device next to the real peak
         of this role's largest step, measured by running it (``max_memory_allocated``);
-        ``memory_bytes`` (the CPU's budget) does not apply."""
+        ``memory_bytes`` (the CPU's budget) does not apply;
+        ``extra_layers``: cache layers outside the model's (the MTP drafter's), per block."""
         spec = self.spec
         peak = self._measure_peak_bytes(block_size, tokens, rows, decode)
         free, total = torch.cuda.mem_get_info()

@@ -32,7 +32,10 @@ Decisions:
   (copy-on-write after a fork), the context restarts there too.
 - **Per sequence, greedy, on the host thread.** Drafts are the MTP argmax (a point-mass draft,
   which the acceptance rule needs); one sequence's steps run at a time, in the scheduler's
-  loop, never concurrently with a forward. CPU only, like speculative decoding.
+  loop. On CUDA the layer runs its plain torch path (MLA over its own cache, the MoE's fused
+  experts) on the engine's device and stream, after the step whose hidden states it reads
+  (the host has waited for that step); each draft reads its argmax back to the host, so a
+  draft costs k small forwards and k device round trips.
 
 Entries in a block shared with another sequence (a fully cached prompt that recomputes its last
 token) may be overwritten by the other sharer: that changes drafts, never output.
@@ -40,6 +43,7 @@ token) may be overwritten by the other sharer: that changes drafts, never output
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -118,6 +122,10 @@ class MTPDrafter:
         last = len(seq.token_ids) - 1  # the newest token's position: its hidden is not known yet
         if k <= 0 or state is None or state.num_pending == 0 or state.written + state.num_pending != last:
             return []
+        with self._on_device():
+            return self._draft(seq, state, last, k)
+
+    def _draft(self, seq: Sequence, state: _MTPState, last: int, k: int) -> list[int]:
         out = self._write_pending(seq, state)
         drafts = [int(self.mtp.compute_logits(out, self.main).argmax(-1))]
         if k > 1:
@@ -134,7 +142,12 @@ class MTPDrafter:
         whole, and its waiting hidden states stay few."""
         state = self._states.get(seq.seq_id)
         if state is not None and state.num_pending >= self.catch_up_rows:
-            self._write_pending(seq, state)
+            with self._on_device():
+                self._write_pending(seq, state)
+
+    def _on_device(self):
+        """The engine's GPU for this thread's kernels (Triton launches on the current device)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _write_pending(self, seq: Sequence, state: _MTPState) -> torch.Tensor:
         """Write the MTP entries of the waiting hidden states (each with its next token); h'

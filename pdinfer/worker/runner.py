@@ -79,8 +79,8 @@ class StepRunner(Protocol):
         """``cache``, which ``init_cache`` must have made."""
         ...
 
-    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
-        """Capture decode CUDA graphs for batches of up to ``max_batch`` sequences, over the KV
+    def capture_cuda_graphs(self, max_rows: int, max_model_len: int) -> None:
+        """Capture decode CUDA graphs for steps of up to ``max_rows`` one-query rows, over the KV
         cache (a no-op on the CPU)."""
         ...
 

@@ -69,7 +69,7 @@ class RunnerBase:
         self.sampler = Sampler()
         self.cache: CacheEngine | None = None
         # A hidden-state drafter (MTP) reads every row's last-layer hidden state: the last
-        # layer then computes all rows, and ``StepResult.hidden`` carries them (CPU only).
+        # layer then computes all rows, and ``StepResult.hidden`` carries them (on the device).
         self.keep_hidden = False
         self._recent: OrderedDict[int, torch.Tensor] = OrderedDict()  # sampled tokens by step id
         self._prepare_model(load_format, options)
