@@ -5,10 +5,11 @@ and whether CUDA graphs run the verifying steps.
     python benchmarks/gpu_spec_decode.py --smoke   # the same flow with tiny random models (CPU: ~1 min)
 
 n-gram speculation (k = 3) against an engine of the same settings without it, on the
-Llama-3.1-8B shape with dummy bf16 weights (which repeat themselves, so drafts are accepted),
-CUDA graphs and zero-overhead scheduling on (NORMAL's defaults). One engine at a time.
+Llama-3.1-8B shape with dummy bf16 weights, CUDA graphs and zero-overhead scheduling on
+(NORMAL's defaults). One engine at a time.
 1. correct: greedy tokens with speculation equal those without, token for token, at batch 1
-   and 8 (200-token prompts: 100 random tokens twice; 96 new tokens). Both engines have max_num_seqs=8, so the
+   and 8 (prompts P + C + P: 100 random tokens, the model's own 96 greedy tokens after them,
+   the 100 again; 96 new tokens). Both engines have max_num_seqs=8, so the
    verifying steps (up to 8 x 4 = 32 rows) replay graphs captured past max_num_seqs. Reports
    acceptance, identical sequences, the first difference.
 2. speed: decode tok/s at batch 1, 8, 16 and 64 (576-token prompts + 128 new tokens:
@@ -108,7 +109,7 @@ class StepLog:
         execute = runner.execute
 
         def logged(inp: StepInput):
-            graphs = runner.gpu.graphs if runner.gpu is not None else None
+            graphs = getattr(runner, "graphs", None)  # a GpuRunner's (None on the CPU)
             replays = graphs.num_replays if graphs is not None else 0
             start = _mark()
             result = execute(inp)
@@ -167,15 +168,15 @@ def with_engine(shape: dict, max_num_seqs: int, method: str | None, work):
         kwargs.update(speculative_method=method, num_draft_tokens=K)
     start = time.perf_counter()
     llm = LLM(max_num_seqs=max_num_seqs, **kwargs)
-    gpu = llm.engine.model_runner.gpu
-    buckets = gpu.graphs.buckets if gpu is not None and gpu.graphs is not None else "none (CPU or eager)"
+    graphs = getattr(llm.engine.model_runner, "graphs", None)
+    buckets = graphs.buckets if graphs is not None else "none (CPU or eager)"
     log(f"  built the engine ({method or 'no speculation'}) in {time.perf_counter() - start:.0f} s; graphs {buckets}")
     steps = StepLog(llm)
     try:
         return work(llm, steps)
     finally:
         llm.engine.shutdown()
-        del llm, gpu, steps
+        del llm, graphs, steps
         free_memory()
 
 
@@ -237,10 +238,14 @@ def check_greedy(label: str, shape: dict, method: str, batches: dict[int, list[l
 # --- 1. correctness ---------------------------------------------------------------------------
 def correctness(shape: dict) -> None:
     """1 (and 3): greedy with n-gram speculation against greedy without, max_num_seqs=8."""
-    batches = {}
-    for b in (1, 8):  # a random half twice: the n-gram drafter finds matches from the first step
-        batches[b] = [p + p for p in random_prompts([shape["correct_len"] // 2] * b, shape["vocab"], seed=40 + b)]
-    check_greedy(shape["label"], shape, "ngram", batches, shape["correct_tokens"])
+    # P + C + P, where C is the model's own greedy continuation of P: where the model continues
+    # the second P as it did the first, the n-gram drafter proposes C and the drafts are
+    # accepted (random prompts alone draft nothing: dummy 8B weights repeat no tokens).
+    tokens = shape["correct_tokens"]
+    starts = {b: random_prompts([shape["correct_len"] // 2] * b, shape["vocab"], seed=40 + b) for b in (1, 8)}
+    continued = with_engine(shape, 8, None, lambda llm, _: {b: greedy(llm, p, tokens) for b, p in starts.items()})
+    batches = {b: [p + c + p for p, c in zip(starts[b], continued[b])] for b in starts}
+    check_greedy(shape["label"], shape, "ngram", batches, tokens)
 
 
 # --- 2. speed ---------------------------------------------------------------------------------

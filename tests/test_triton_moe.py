@@ -229,3 +229,18 @@ def test_moe_model_gpu_step_path_with_fused_experts():
     assert rel_err(gpu.cache.kv, cpu.cache.kv) < 1e-5
     layers[0].placement = ExpertPlacement.initial(8, 0, 1, 0, torch.device("cpu"))
     assert "EPLB" in str(graph_blocker(gpu.model))  # a rearrangement would swap what a graph holds
+
+
+def test_float32_configs_fit_the_shared_memory_of_a_hopper_block():
+    """The configs are tuned for 2-byte elements; float32 tiles are twice the bytes, and a
+    32-row, 3-stage config needed 245,760 bytes of shared memory (the H200 has 232,448 a block):
+    it runs with 2 stages, and 2-byte elements keep the table's stages."""
+    from pdinfer.layers.triton_moe import CONFIGS, MoEKernelConfig, _fit_shared_memory
+
+    cfg = MoEKernelConfig(32, 64, 128, 1, 4, 3)
+    assert _fit_shared_memory(cfg, 4).num_stages == 2  # 3 x (32 x 128 + 2 x 128 x 64) x 4 = 245,760
+    assert _fit_shared_memory(cfg, 2) == cfg
+    for _, table_cfg in CONFIGS:
+        fitted = _fit_shared_memory(table_cfg, 4)
+        per_stage = (fitted.block_m * fitted.block_k + 2 * fitted.block_k * fitted.block_n) * 4
+        assert fitted.num_stages * per_stage <= 232_448

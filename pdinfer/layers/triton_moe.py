@@ -18,7 +18,7 @@ are on (``SparseMoE`` maps experts to slots first), logical experts otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,6 +51,20 @@ CONFIGS: list[tuple[float, MoEKernelConfig]] = [
 def pick_config(num_tokens: int, top_k: int, num_slots: int) -> MoEKernelConfig:
     rows_per_slot = num_tokens * top_k / num_slots
     return next(cfg for bound, cfg in CONFIGS if rows_per_slot <= bound)
+
+
+SHARED_MEMORY_BYTES = 220 * 1024  # below the H100/H200's 227 KiB a block, with room to spare
+
+
+def _fit_shared_memory(cfg: MoEKernelConfig, element_bytes: int) -> MoEKernelConfig:
+    """The tables are for 2-byte elements; float32 tiles are twice the bytes (a 32-row, 3-stage
+    config needed 240 KiB on the H200 and did not launch): fewer pipeline stages until the
+    gate/up kernel's tiles fit."""
+    stages = cfg.num_stages
+    per_stage = (cfg.block_m * cfg.block_k + 2 * cfg.block_k * cfg.block_n) * element_bytes
+    while stages > 1 and stages * per_stage > SHARED_MEMORY_BYTES:
+        stages -= 1
+    return cfg if stages == cfg.num_stages else replace(cfg, num_stages=stages)
 
 
 def max_sorted_rows(num_pairs: int, num_slots: int, block_m: int) -> int:
@@ -107,7 +121,7 @@ def fused_experts(
     num_slots, inter, top_k = down.shape[0], down.shape[2], ids.shape[1]
     if num_tokens == 0:
         return torch.zeros_like(x)
-    cfg = config or pick_config(num_tokens, top_k, num_slots)
+    cfg = _fit_shared_memory(config or pick_config(num_tokens, top_k, num_slots), x.element_size())
     sorted_ids, block_slot, num_padded = align_block_size(ids, num_slots, cfg.block_m)
     num_pairs, num_blocks = num_tokens * top_k, block_slot.numel()
     x = x.contiguous()
