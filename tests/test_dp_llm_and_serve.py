@@ -84,7 +84,9 @@ def test_pdinfer_serve_data_parallel_streams_and_recovers_from_a_killed_rank(tin
             chunks = [
                 json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines() if line.startswith("data: {")
             ]
-        assert "".join(chunks) == plain["choices"][0]["text"] and len(chunks) >= 2
+        # How many events carry the tokens depends on how fast this client reads (the server
+        # sends what has arrived; a loaded CI machine saw all 8 tokens in one): no count here.
+        assert chunks and "".join(chunks) == plain["choices"][0]["text"]
         metrics = httpx.get(f"{server.url}/metrics").text.splitlines()
         total = [line for line in metrics if line.startswith("pdinfer_kv_cache_total_blocks")]
         assert total and float(total[0].split()[-1]) == 2 * 32  # summed over the ranks
