@@ -92,7 +92,7 @@ def prefill_variants(lens: list[int]) -> None:
     variants["fa2_varlen"] = fa2
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    starts = qstart.tolist()
 
     def cudnn_per_seq():
         out = torch.empty_like(q)

@@ -205,6 +205,21 @@ def test_half_precision_decode_close_to_reference():
 
 
 # --- whole steps through the CUDA step path (GpuRunner), on the CPU --------------------------------
+TINY_LLAMA = {  # the tiny Llama of the CUDA-path tests (test_triton_spec_decode too)
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "vocab_size": 96,
+    "max_position_embeddings": 256,
+}
+
+
 def _tiny_runner(gpu: bool = False):
     """A tiny Llama with dummy weights: ``CpuRunner``, or with ``gpu`` the CUDA runner on CPU tensors."""
     from pdinfer.config import EngineArgs
@@ -212,21 +227,7 @@ def _tiny_runner(gpu: bool = False):
     from pdinfer.worker.cpu_runner import CpuRunner
     from pdinfer.worker.gpu_runner import GpuRunner
 
-    spec = ModelSpec.from_hf_config(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0,
-            "vocab_size": 96,
-            "max_position_embeddings": 256,
-        }
-    )
+    spec = ModelSpec.from_hf_config(TINY_LLAMA)
     runner_class = GpuRunner if gpu else CpuRunner
     return runner_class(spec, "", "dummy", torch.float32, torch.device("cpu"), EngineArgs().runner_options, seed=3)
 

@@ -34,6 +34,7 @@ if not triton_ops.HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs Triton's interpreter", allow_module_level=True)
 
 from conftest import assert_blocks_back  # noqa: E402
+from test_triton_kernels import TINY_LLAMA as KERNEL_TESTS_LLAMA  # noqa: E402
 from test_triton_kernels import _fix_interpreter_scalars  # noqa: E402
 
 from pdinfer import LLM, EngineArgs, SamplingParams, env  # noqa: E402
@@ -44,19 +45,7 @@ from pdinfer.worker.step_input import SampleSpec, StepInput  # noqa: E402
 
 _fix_interpreter_scalars()
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "vocab_size": 96,
-    "max_position_embeddings": 512,
-}
+TINY_LLAMA = {**KERNEL_TESTS_LLAMA, "max_position_embeddings": 512}
 K = 3
 
 
