@@ -141,6 +141,35 @@ def test_write_kv_skips_padding_slots():
     assert torch.equal(kv, before)  # nothing else written (other layers included)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float8_e4m3fn])
+def test_rotary_write_kv_is_rotary_then_write(kv_dtype):
+    """The fused kernel leaves q, k and the cache exactly as rotary_qk_ followed by write_kv
+    does, padding slot included (an FP8 cache with its scales too)."""
+    t, heads = 5, 2 * KV_HEADS
+    qkv = torch.randn(t, (heads + 2 * KV_HEADS) * HEAD_DIM).half()
+    rot = RotaryEmbedding(HEAD_DIM, 10000.0, {})
+    cos, sin = rot.cos_sin(torch.arange(t) * 7 + 1, torch.float16)
+    slots = torch.tensor([5 * BLOCK_SIZE + 2, -1, 17 * BLOCK_SIZE, 17 * BLOCK_SIZE + 3, 40 * BLOCK_SIZE + 1])
+    kv0 = make_cache(torch.float16)[0].to(kv_dtype)
+    outs = []
+    for fused in (False, True):
+        x = qkv.clone()
+        q = x[:, : heads * HEAD_DIM].view(t, heads, HEAD_DIM)
+        k = x[:, heads * HEAD_DIM : (heads + KV_HEADS) * HEAD_DIM].view(t, KV_HEADS, HEAD_DIM)
+        v = x[:, (heads + KV_HEADS) * HEAD_DIM :].view(t, KV_HEADS, HEAD_DIM)
+        kv = kv0.clone()
+        layer = kv[:, 1]
+        if fused:
+            tp.rotary_write_kv(q, k, v, cos, sin, layer, slots, k_scale=0.5, v_scale=2.0)
+        else:
+            triton_ops.rotary_qk_(q, k, cos, sin)
+            tp.write_kv(k, v, layer, slots, k_scale=0.5, v_scale=2.0)
+        outs.append((x, kv.view(torch.uint8)))
+    (x_ref, kv_ref), (x_fused, kv_fused) = outs
+    assert not torch.equal(x_ref, qkv) and not torch.equal(kv_ref, kv0.view(torch.uint8))  # both did something
+    assert torch.equal(x_fused, x_ref) and torch.equal(kv_fused, kv_ref)
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("num_heads", [4, 2])  # GQA group 2, and MHA
 def test_decode_attention(num_splits, num_heads):
@@ -190,6 +219,42 @@ def test_prefill_attention_with_cached_prefix(num_heads):
         rows = slice(qstart[s], qstart[s + 1])
         ref = ref_attention(q[rows], layer, tables[s], ctx, list(range(ctx - qlen, ctx)), HEAD_DIM**-0.5)
         assert rel_err(out[rows], ref) < 1e-5, s
+
+
+@pytest.mark.parametrize("num_heads", [4, 2])
+def test_fresh_prefill_reads_qkv_rows(num_heads):
+    """Fresh prompts (no cached prefix): the descriptor kernel reads K/V from the QKV rows and
+    gives the causal attention of each sequence alone, however the tiles cut the sequences
+    (a tile past a sequence's end runs into the next one's rows)."""
+    from pdinfer.layers.attention import triton_prefill
+
+    query_lens = [7, 150, 1, 20]
+    qstart = [0]
+    for n in query_lens:
+        qstart.append(qstart[-1] + n)
+    t = qstart[-1]
+    tiles = [-(-n // tp.PREFILL_BLOCK_M) for n in query_lens]
+    work_seq = torch.tensor([s for s, n in enumerate(tiles) for _ in range(n)])
+    work_tile = torch.tensor([i for n in tiles for i in range(n)])
+    # float16: the interpreter emulates bfloat16 dots incorrectly; bf16 is checked on the GPU
+    qkv = torch.randn(t, (num_heads + 2 * KV_HEADS) * HEAD_DIM).half()
+    q = qkv[:, : num_heads * HEAD_DIM].view(t, num_heads, HEAD_DIM)
+    k = qkv[:, num_heads * HEAD_DIM : (num_heads + KV_HEADS) * HEAD_DIM].view(t, KV_HEADS, HEAD_DIM)
+    v = qkv[:, (num_heads + KV_HEADS) * HEAD_DIM :].view(t, KV_HEADS, HEAD_DIM)
+    assert triton_prefill.fresh_prefill_supported(q, k, v)
+    out = torch.full((t, num_heads, HEAD_DIM), float("nan"), dtype=torch.float16)
+    triton_prefill.fresh_prefill_attention(
+        q, k, v, torch.tensor(qstart), work_seq, work_tile, len(work_seq), HEAD_DIM**-0.5 * tp.LOG2E, 128, out
+    )
+    group = num_heads // KV_HEADS
+    for s in range(len(query_lens)):
+        rows = slice(qstart[s], qstart[s + 1])
+        keys, values = k[rows].double().repeat_interleave(group, 1), v[rows].double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[rows].double(), keys) * HEAD_DIM**-0.5
+        n = query_lens[s]
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril()[None], float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+        assert rel_err(out[rows], ref) < 2e-3, s
 
 
 def test_half_precision_decode_close_to_reference():

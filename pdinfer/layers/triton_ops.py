@@ -76,16 +76,22 @@ if HAS_TRITON:
         ptr = x_ptr + row * stride_t + heads[:, None] * stride_h + d[None, :]
         x1 = tl.load(ptr, mask=mask, other=0.0)
         x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
+        r1, r2 = rotate_halves(x1, x2, c, s)
+        tl.store(ptr, r1, mask=mask)
+        tl.store(ptr + HALF, r2, mask=mask)
+
+    @triton.jit
+    def rotate_halves(x1, x2, c, s):
+        """The two halves of a head rotated: x * cos + rotate_half(x) * sin, in x's dtype."""
         dtype = x1.dtype
         x1 = x1.to(tl.float32)
         x2 = x2.to(tl.float32)
-        # q * cos + rotate_half(q) * sin, each product rounded as torch rounds it in bf16
+        # each product rounded as torch rounds it in bf16
         a1 = (x1 * c).to(dtype).to(tl.float32)
         b1 = (x2 * s).to(dtype).to(tl.float32)
         a2 = (x2 * c).to(dtype).to(tl.float32)
         b2 = (x1 * s).to(dtype).to(tl.float32)
-        tl.store(ptr, (a1 - b1).to(dtype), mask=mask)
-        tl.store(ptr + HALF, (a2 + b2).to(dtype), mask=mask)
+        return (a1 - b1).to(dtype), (a2 + b2).to(dtype)
 
     @triton.jit
     def _rotary_qk_kernel(

@@ -84,6 +84,16 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if getattr(self.backend, "fuses_rotary", False) and cos.shape[-1] == self.head_dim:
+            # the Triton backend rotates q and k in the kernel that writes K/V: one launch fewer
+            out = self.backend.forward(q, k, v, kv_cache[:, self.layer_idx], meta, rotary=(cos, sin))
+        else:
+            out = self._rotate_and_attend(qkv, q, k, v, cos, sin, kv_cache, meta)
+        if keep_rows is not None:
+            out = out.index_select(0, keep_rows)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _rotate_and_attend(self, qkv, q, k, v, cos, sin, kv_cache, meta) -> torch.Tensor:
         if (ops := _fused_ops(q)) is not None:
             q, k = ops.rotary_qk_(q, k, cos, sin)  # in place, one kernel for both
         elif self.q_norm is None:  # q and k side by side in qkv: rotate both with one set of ops
@@ -91,10 +101,7 @@ class Attention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.backend.forward(q, k, v, kv_cache[:, self.layer_idx], meta)
-        if keep_rows is not None:
-            out = out.index_select(0, keep_rows)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.backend.forward(q, k, v, kv_cache[:, self.layer_idx], meta)
 
 
 class MLP(nn.Module):

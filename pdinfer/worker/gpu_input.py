@@ -166,6 +166,7 @@ class GpuInputBuilder:
                 work_tile=dev[i_wt],
                 num_work=num_work,
                 num_tokens=t,
+                fresh=bool((ctx == qlens).all()),
             )
             if context is not None:
                 meta.context_blocks, meta.context_starts = dev[context[0]], dev[context[1]]

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from pdinfer.layers.attention import triton_kernels as kernels
+from pdinfer.layers.attention.triton_prefill import fresh_prefill_attention, fresh_prefill_supported
 from pdinfer.layers.triton_ops import HAS_TRITON, next_pow2
 
 LOG2E = 1.4426950408889634
@@ -71,6 +72,7 @@ class GpuAttentionMetadata:
     context_blocks: torch.Tensor | None = None
     context_starts: torch.Tensor | None = None
     batch_invariant: bool = False  # the mode's kernels (module docstring)
+    fresh: bool = False  # prefill: no sequence has a cached prefix (``triton_prefill``'s case)
 
 
 PREFILL_BLOCK_M = 128  # query rows per prefill program; the metadata builder tiles with it
@@ -147,6 +149,62 @@ def write_kv(
         HEAD_DIM=dim,
         D_PAD=next_pow2(dim),
         HEADS_PAD=next_pow2(kvh),
+        KV_FP8=is_fp8(c),
+        num_warps=4,
+    )
+
+
+def rotary_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layer_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """``rotary_qk_(q, k, cos, sin)`` then ``write_kv(k, v, ...)`` in one launch, the same values
+    bit for bit: q [T, H, D] and k [T, KVH, D] rotated in place (strided views of one QKV
+    output, unit stride in the last dim), the rotated k and v stored into their slots. The
+    rotary embedding must cover the whole head (``cos`` [T, D])."""
+    t, h, dim = q.shape
+    kvh = k.shape[1]
+    if t == 0:
+        return
+    if cos.shape[-1] != dim or dim % 2 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("rotary_write_kv needs a full-width rotary and unit stride in the head dim")
+    c = layer_cache
+    half = dim // 2
+    kernels.rotary_write_kv_kernel[(t, 2)](
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        c,
+        slot_mapping,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        c.stride(0),
+        c.stride(1),
+        c.stride(2),
+        c.stride(3),
+        h,
+        kvh,
+        1.0 / k_scale,
+        1.0 / v_scale,
+        HALF=half,
+        HALF_PAD=next_pow2(half),
+        Q_HEADS_PAD=next_pow2(h),
+        KV_HEADS_PAD=next_pow2(kvh),
+        BLOCK_SIZE=c.shape[2],
         KV_FP8=is_fp8(c),
         num_warps=4,
     )
@@ -331,12 +389,26 @@ class TritonPagedAttention:
         self.k_scale = 1.0
         self.v_scale = 1.0
 
+    # ``forward`` takes ``rotary``: the rotary embedding goes into the KV write's kernel
+    fuses_rotary = True
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, meta: GpuAttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: GpuAttentionMetadata,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """``rotary``: (cos, sin) of a full-width rotary embedding that q and k still need
+        (rotated in place with the KV write); None: q and k come rotated."""
         # New K/V first, so queries read their own chunk (and same-step prefix hits) from the cache.
         ks, vs = self.k_scale, self.v_scale
-        write_kv(k, v, layer_cache, meta.slot_mapping, ks, vs)
+        if rotary is not None:
+            rotary_write_kv(q, k, v, rotary[0], rotary[1], layer_cache, meta.slot_mapping, ks, vs)
+        else:
+            write_kv(k, v, layer_cache, meta.slot_mapping, ks, vs)
         out = torch.empty((q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         if meta.is_decode:
             return decode_attention(
@@ -350,6 +422,19 @@ class TritonPagedAttention:
                 ks,
                 vs,
                 meta.batch_invariant,
+            )
+        if meta.fresh and not meta.batch_invariant and not is_fp8(layer_cache) and fresh_prefill_supported(q, k, v):
+            return fresh_prefill_attention(
+                q,
+                k,
+                v,
+                meta.query_start,
+                meta.work_seq,
+                meta.work_tile,
+                meta.num_work,
+                self.scale * LOG2E,
+                PREFILL_BLOCK_M,
+                out,
             )
         return prefill_attention(q, layer_cache, meta, self.scale, out, ks, vs)
 

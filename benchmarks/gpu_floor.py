@@ -1,0 +1,248 @@
+"""Issue 29's floor targets in one device call: each GPU-path change on and off in one process.
+
+    python benchmarks/gpu_floor.py [--skip micro,tokens]
+
+On the Llama-3.1-8B shape (dummy bf16 weights) it measures, for every variant, the decode step
+of batch 64 and 256 (CUDA graph replay, and the engine's tok/s) against the byte floor, and a
+4 x 2048 and 1 x 8191 prefill against the matmul rate. The variants switch off, one at a time
+and then all together (the code before them):
+- ``rotary+kv``: the rotary embedding fused into the KV write (``rotary_write_kv``);
+- ``fresh``: fresh prompts' prefill attention through tensor descriptors (``triton_prefill``).
+Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
+attention kernels alone, with launch settings around the chosen ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gpu_correctness import random_prompts  # noqa: E402
+from benchmarks.gpu_micro import FIG, ROWS, graph_timed, log  # noqa: E402
+from benchmarks.gpu_speed import (  # noqa: E402
+    bench_decode,
+    bench_prefill,
+    ceilings,
+    decode_floor,
+    graph_step_ms,
+    prefill_flops,
+)
+from pdinfer import LLM, SamplingParams  # noqa: E402
+from pdinfer.engine.speculative import decode_graph_rows  # noqa: E402
+from pdinfer.layers.attention import triton_paged as tp  # noqa: E402
+from pdinfer.layers.attention import triton_prefill  # noqa: E402
+
+
+@contextlib.contextmanager
+def variant(off: set[str]):
+    """The named changes switched off for the block (module switches; graphs recaptured)."""
+    saved = (tp.TritonPagedAttention.fuses_rotary, tp.fresh_prefill_supported)
+    tp.TritonPagedAttention.fuses_rotary = "rotary+kv" not in off
+    if "fresh" in off:
+        tp.fresh_prefill_supported = lambda q, k, v: False
+    try:
+        yield
+    finally:
+        tp.TritonPagedAttention.fuses_rotary, tp.fresh_prefill_supported = saved
+
+
+def recapture(llm: LLM) -> None:
+    runner = llm.engine.model_runner
+    runner.graphs = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    runner.capture_cuda_graphs(decode_graph_rows(llm.engine.args), llm.engine.scheduler_config.max_model_len)
+
+
+def greedy_tokens(llm: LLM) -> list[list[int]]:
+    prompts = random_prompts([300, 700, 1500, 64], llm.engine.spec.vocab_size, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def measure(llm: LLM, name: str, reference_tokens) -> list[list[int]]:
+    res = {}
+    for b in (64, 256):
+        d = bench_decode(llm, b)
+        g = graph_step_ms(llm, b)
+        floor = decode_floor(llm, b)
+        res[f"decode_{b}"] = {"tok_s": d["tok_s"], "graph_ms": g, "floor_tok_s": floor}
+        log(
+            f"  [{name}] decode {b}: {d['tok_s']:.0f} tok/s ({d['tok_s'] / floor:.1%} of floor), "
+            f"graph {g:.3f} ms ({1e3 * b / floor / g:.1%})"
+        )
+    for n, length in ((4, 2048), (1, 8191)):
+        tok_s = bench_prefill(llm, n, length)
+        rate = prefill_flops(llm, n, length) * tok_s / (n * length)
+        res[f"prefill_{n}x{length}"] = {"tok_s": tok_s, "frac": rate / FIG["matmul_rate"]}
+        log(f"  [{name}] prefill {n}x{length}: {tok_s:.0f} tok/s, {rate / FIG['matmul_rate']:.1%} of matmul")
+    tokens = greedy_tokens(llm)
+    same = sum(a == b for a, b in zip(tokens, reference_tokens or tokens))
+    res["greedy_same"] = same
+    log(f"  [{name}] greedy sequences equal to the first variant's: {same}/{len(tokens)}")
+    FIG[name] = res
+    ROWS.append((name, *(f"{res[k]['graph_ms']:.3f}" for k in ("decode_64", "decode_256")), ""))
+    return tokens
+
+
+def micro_prefill(llm: LLM) -> None:
+    for n, length in ((4, 2048), (1, 8191)):
+        micro_shape(llm, n, length)
+        torch.cuda.empty_cache()
+
+
+def micro_shape(llm: LLM, n: int, length: int) -> None:
+    import numpy as np
+
+    from pdinfer.worker.cache_engine import CacheEngine
+
+    runner = llm.engine.model_runner
+    spec = runner.spec
+    h, kvh, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    bs = runner.require_cache().block_size
+    t = n * length
+    qkv = torch.randn(t, (h + 2 * kvh) * dim, device="cuda", dtype=runner.dtype)
+    q = qkv[:, : h * dim].view(t, h, dim)
+    k = qkv[:, h * dim : (h + kvh) * dim].view(t, kvh, dim)
+    v = qkv[:, (h + kvh) * dim :].view(t, kvh, dim)
+    nb = -(-length // bs)
+    cache = CacheEngine(spec, n * nb + 1, bs, runner.dtype, runner.device)
+    layer = cache.kv[:, 0]
+    slots = (torch.arange(n, device="cuda")[:, None] * nb * bs + torch.arange(length, device="cuda")).reshape(-1)
+    tp.write_kv(k, v, layer, slots)
+    tiles = -(-length // tp.PREFILL_BLOCK_M)
+    ws = np.repeat(np.arange(n), tiles)
+    wt = np.tile(np.arange(tiles), n)
+    order = np.argsort(-wt, kind="stable")
+    meta = tp.GpuAttentionMetadata(
+        False,
+        slots,
+        torch.arange(n * nb, device="cuda").view(n, nb),
+        torch.full((n,), length, device="cuda"),
+        query_start=torch.arange(0, t + 1, length, device="cuda"),
+        work_seq=torch.tensor(ws[order], device="cuda"),
+        work_tile=torch.tensor(wt[order], device="cuda"),
+        num_work=int(ws.size),
+    )
+    flops = 4 * h * dim * n * length**2 / 2
+    scale = dim**-0.5
+    ref = tp.prefill_attention(q, layer, meta, scale)
+    sec = graph_timed(lambda: tp.prefill_attention(q, layer, meta, scale))
+    log(f"  prefill attn {n}x{length} paged: {sec * 1e6:.0f} us, {flops / sec / 1e12:.0f} TFLOP/s")
+    FIG[f"attn_paged_{n}x{length}"] = sec
+    out = torch.empty_like(q)
+    saved = dict(triton_prefill.FRESH_CONFIG)
+    for cfg in (
+        {},
+        {"num_stages": 2},
+        {"num_stages": 4},
+        {"block_n": 64, "num_stages": 3},
+        {"block_n": 64, "num_stages": 4},
+        {"num_warps": 4, "block_n": 64, "num_stages": 3},
+    ):
+        triton_prefill.FRESH_CONFIG.update(cfg)
+
+        def run(out=out, meta=meta, q=q, k=k, v=v):
+            triton_prefill.fresh_prefill_attention(
+                q,
+                k,
+                v,
+                meta.query_start,
+                meta.work_seq,
+                meta.work_tile,
+                meta.num_work,
+                scale * tp.LOG2E,
+                tp.PREFILL_BLOCK_M,
+                out,
+            )
+
+        try:
+            run()
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            sec = graph_timed(run)
+            log(
+                f"  prefill attn {n}x{length} fresh {triton_prefill.FRESH_CONFIG}: {sec * 1e6:.0f} us, "
+                f"{flops / sec / 1e12:.0f} TFLOP/s, rel err vs paged {err:.1e}"
+            )
+            FIG[f"attn_fresh_{n}x{length}_{cfg}"] = (sec, err)
+        except Exception as e:  # noqa: BLE001 - a config that does not fit is a result too
+            log(f"  prefill attn {n}x{length} fresh {cfg}: FAIL {type(e).__name__}: {str(e)[:160]}")
+        triton_prefill.FRESH_CONFIG.clear()
+        triton_prefill.FRESH_CONFIG.update(saved)
+    qs = q.view(n, length, h, dim).transpose(1, 2)
+    ks = k.view(n, length, kvh, dim).transpose(1, 2).repeat_interleave(h // kvh, 1)
+    vs = v.view(n, length, kvh, dim).transpose(1, 2).repeat_interleave(h // kvh, 1)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                fn = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)  # noqa: E731
+                fn()
+                sec = graph_timed(fn)
+            log(
+                f"  prefill attn {n}x{length} torch {backend.name}: {sec * 1e6:.0f} us, {flops / sec / 1e12:.0f} TFLOP/s"
+            )
+        except Exception as e:  # noqa: BLE001
+            log(f"  prefill attn {n}x{length} torch {backend.name}: FAIL {type(e).__name__}: {str(e)[:120]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--skip", default="")
+    parser.add_argument("--variants", default="new,old,-fresh,-rotary+kv")
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d %H:%M')}")
+    import triton
+
+    log(f"triton {triton.__version__}")
+    ceilings()
+    log(f"  copy {FIG['copy_bw'] / 1e12:.2f} TB/s, matmul {FIG['matmul_rate'] / 1e12:.0f} TFLOP/s")
+    llm = LLM(
+        model="preset:llama-3.1-8b",
+        load_format="dummy",
+        gpu_memory_utilization=0.5,
+        max_model_len=8192,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+    )
+    if "micro" not in skip:
+        micro_prefill(llm)
+    names = {
+        "new": set(),
+        "-rotary+kv": {"rotary+kv"},
+        "-fresh": {"fresh"},
+        "old": {"rotary+kv", "fresh"},
+    }
+    reference = None
+    for name in args.variants.split(","):
+        with variant(names[name]):
+            if name != "new":
+                recapture(llm)
+            tokens = measure(llm, name, reference)
+            reference = reference or tokens
+    log("\nvariant | graph ms B=64 | graph ms B=256")
+    for r in ROWS:
+        log(" | ".join(r))
+    for name in args.variants.split(","):
+        f = FIG[name]
+        log(
+            f"{name:12s} decode64 {f['decode_64']['tok_s']:7.0f} tok/s ({f['decode_64']['tok_s'] / f['decode_64']['floor_tok_s']:.1%}) "
+            f"decode256 {f['decode_256']['tok_s']:7.0f} ({f['decode_256']['tok_s'] / f['decode_256']['floor_tok_s']:.1%}) "
+            f"prefill4x2048 {f['prefill_4x2048']['frac']:.1%} 1x8191 {f['prefill_1x8191']['frac']:.1%} "
+            f"greedy {f['greedy_same']}/4"
+        )
+
+
+if __name__ == "__main__":
+    main()
