@@ -5,7 +5,11 @@ One call on the device: a per-kernel table of one eager decode step at batch 64 
 time a batch-256 decode step (cProfile); and the prefill attention kernel timed alone with the
 tiles in launch order and heaviest first. Llama-3.1-8B shape, dummy bf16 weights.
 
-    python benchmarks/gpu_profile.py [kernels] [host] [prefill]   (default: all three)
+    python benchmarks/gpu_profile.py [kernels] [host] [prefill] [trace]   (default: the first three)
+
+``trace`` writes Chrome traces (CPU and device timelines) of one 4 x 2048 prefill and of three
+batch-64 decode steps through the engine to ``$OUT`` (or the working directory), for the gaps
+between kernels that a per-kernel table does not show.
 """
 
 from __future__ import annotations
@@ -212,6 +216,31 @@ def prefill_variants(llm):
                 tp.PREFILL_CONFIG.update(saved)
 
 
+def traces(llm) -> None:
+    import os
+
+    out = os.environ.get("OUT", ".")
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for name, n, length in (("prefill_4x2048", 4, 2048), ("decode_64", 64, 576)):
+        for tag in ("warm", "trace"):
+            for i in range(n):
+                p = torch.randint(0, engine.spec.vocab_size, (length,)).tolist()
+                engine.add_request(f"{name}-{tag}-{i}", {"prompt_token_ids": p}, params)
+            while name.startswith("decode") and sum(s.num_output_tokens > 0 for s in engine.scheduler.running) < n:
+                engine.step()  # the decode trace starts once every prompt is prefilled
+            torch.cuda.synchronize()
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(1 if name.startswith("prefill") else 3):
+                    engine.step()
+                torch.cuda.synchronize()
+            while engine.has_unfinished_requests():
+                engine.step()
+        prof.export_chrome_trace(f"{out}/{name}.json")
+        log(f"trace {name}: {out}/{name}.json")
+
+
 def main() -> None:
     which = set(sys.argv[1:]) or {"kernels", "host", "prefill"}
     log(torch.cuda.get_device_name(), torch.__version__, time.strftime("%Y-%m-%d %H:%M"))
@@ -232,6 +261,8 @@ def main() -> None:
         host_profile(llm)
     if "prefill" in which:
         prefill_variants(llm)
+    if "trace" in which:
+        traces(llm)
 
 
 if __name__ == "__main__":
