@@ -72,6 +72,7 @@ def bench_decode(llm: LLM, batch: int, events: bool = False) -> dict:
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params)
     counts: dict[str, int] = {}
     t0 = tokens0 = steps = None
+    preempted = engine.scheduler.num_preemptions
     with startup_objects_frozen():  # as LLM.generate runs the loop
         while engine.has_unfinished_requests():
             for o in engine.step():
@@ -83,7 +84,11 @@ def bench_decode(llm: LLM, batch: int, events: bool = False) -> dict:
                 if events:
                     gpu.step_events = []
     elapsed = time.perf_counter() - t0
-    result = {"tok_s": (sum(counts.values()) - tokens0) / elapsed, "step_ms": 1e3 * elapsed / max(1, steps)}
+    result = {
+        "tok_s": (sum(counts.values()) - tokens0) / elapsed,
+        "step_ms": 1e3 * elapsed / max(1, steps),
+        "preemptions": engine.scheduler.num_preemptions - preempted,  # recomputes: the cache was too small
+    }
     if events:
         result.update(_idle(gpu.step_events))
         gpu.step_events = None
@@ -183,7 +188,8 @@ def speed(llm: LLM, hf) -> None:
             f"8B decode batch {b} (ctx 640)",
             f"{res['tok_s']:.0f} tok/s{vs_hf}",
             f"floor {floor:.0f}",
-            f"{res['tok_s'] / floor:.0%} of floor",
+            f"{res['tok_s'] / floor:.0%} of floor"
+            + (f" ({res['preemptions']} preemptions)" if res["preemptions"] else ""),
         )
         if res["graph_step_ms"]:
             step_floor = 1e3 * b / floor
