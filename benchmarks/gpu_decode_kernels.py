@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_decode_kernels.py
 
-On the Llama-3.1-8B shapes at batch 64 and 256: each linear layer through cuBLAS, cuBLASLt and
+On the Llama-3.1-8B shapes at batch 64 and 256 (and at the 8,192 and 8,191 rows of a prefill
+step): each linear layer through cuBLAS, cuBLASLt and
 PyTorch's TunableOp (which times every algorithm the BLAS library offers for the shape and keeps
 the fastest), and the decode attention kernel at mean context 640 under several launch
 settings. Every time is the median of CUDA-graph replays, as a decode step runs them; GB/s
@@ -25,7 +26,7 @@ from pdinfer.layers.attention import triton_paged as tp  # noqa: E402
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
-def linear_variants(batch: int) -> dict[str, float]:
+def linear_variants(batch: int, tflops: bool = False) -> dict[str, float]:
     totals: dict[str, float] = {}
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -45,7 +46,12 @@ def linear_variants(batch: int) -> dict[str, float]:
             log(f"  tunableop: {type(e).__name__}: {str(e)[:100]}")
         finally:
             torch.cuda.tunable.enable(False)
-        cells = ", ".join(f"{lib} {t * 1e6:6.1f} us ({2 * n * k / t / 1e12:.2f} TB/s)" for lib, t in times.items())
+        if tflops:
+            cells = ", ".join(
+                f"{lib} {t * 1e6:7.1f} us ({2 * batch * n * k / t / 1e12:.0f} TFLOP/s)" for lib, t in times.items()
+            )
+        else:
+            cells = ", ".join(f"{lib} {t * 1e6:6.1f} us ({2 * n * k / t / 1e12:.2f} TB/s)" for lib, t in times.items())
         log(f"  B={batch} {name:8s} {cells}")
         for lib, t in times.items():
             totals[lib] = totals.get(lib, 0.0) + t
@@ -85,6 +91,9 @@ def attention_variants(batch: int, ctx: int = 640) -> None:
 
 def main() -> None:
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
+    for rows in (8192, 8191):  # a 4 x 2048 and a 1 x 8191 prefill step
+        totals = linear_variants(rows, tflops=True)
+        log(f"  M={rows} one layer's linears: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in totals.items()))
     for batch in (64, 256):
         totals = linear_variants(batch)
         log(f"  B={batch} one layer's linears: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in totals.items()))
