@@ -16,6 +16,7 @@ from torch import nn
 from pdinfer.layers import cpu_kernels
 from pdinfer.layers.attention.metadata import AttentionMetadata
 from pdinfer.layers.attention.torch_paged import TorchPagedAttention
+from pdinfer.layers.attention.triton_paged import GpuAttentionMetadata, TritonPagedAttention
 from pdinfer.layers.rotary import RotaryEmbedding, apply_rotary
 from pdinfer.models.spec import ModelSpec
 
@@ -73,9 +74,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.rotary = rotary
-        self.backend = TorchPagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        # the Triton backend replaces it on CUDA engines (``triton_paged.use_triton_attention``)
+        self.backend: TorchPagedAttention | TritonPagedAttention = TorchPagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+        )
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, keep_rows=None) -> torch.Tensor:
+    def forward(
+        self, x, cos, sin, kv_cache, meta: AttentionMetadata | GpuAttentionMetadata, keep_rows=None
+    ) -> torch.Tensor:
         """``keep_rows``: only these rows of the output are needed (K/V are still written for all)."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -84,9 +90,15 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if getattr(self.backend, "fuses_rotary", False) and cos.shape[-1] == self.head_dim:
+        backend = self.backend
+        if (
+            isinstance(backend, TritonPagedAttention)
+            and isinstance(meta, GpuAttentionMetadata)
+            and backend.fuses_rotary
+            and cos.shape[-1] == self.head_dim
+        ):
             # the Triton backend rotates q and k in the kernel that writes K/V: one launch fewer
-            out = self.backend.forward(q, k, v, kv_cache[:, self.layer_idx], meta, rotary=(cos, sin))
+            out = backend.forward(q, k, v, kv_cache[:, self.layer_idx], meta, rotary=(cos, sin))
         else:
             out = self._rotate_and_attend(qkv, q, k, v, cos, sin, kv_cache, meta)
         if keep_rows is not None:

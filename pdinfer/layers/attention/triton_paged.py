@@ -423,19 +423,12 @@ class TritonPagedAttention:
                 vs,
                 meta.batch_invariant,
             )
+        qs, ws, wt = meta.query_start, meta.work_seq, meta.work_tile
         if meta.fresh and not meta.batch_invariant and not is_fp8(layer_cache) and fresh_prefill_supported(q, k, v):
-            return fresh_prefill_attention(
-                q,
-                k,
-                v,
-                meta.query_start,
-                meta.work_seq,
-                meta.work_tile,
-                meta.num_work,
-                self.scale * LOG2E,
-                PREFILL_BLOCK_M,
-                out,
-            )
+            if qs is not None and ws is not None and wt is not None:
+                return fresh_prefill_attention(
+                    q, k, v, qs, ws, wt, meta.num_work, self.scale * LOG2E, PREFILL_BLOCK_M, out
+                )
         return prefill_attention(q, layer_cache, meta, self.scale, out, ks, vs)
 
 
