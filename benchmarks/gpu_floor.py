@@ -200,6 +200,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip", default="")
     parser.add_argument("--variants", default="new,old,-fresh,-rotary+kv")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument(
+        "--tunable",
+        action="store_true",
+        help="PyTorch's TunableOp times the BLAS algorithms of every GEMM shape the engine meets while "
+        "it starts (the KV profile's prefill, the graph captures) and keeps the fastest",
+    )
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d %H:%M')}")
@@ -208,14 +215,23 @@ def main() -> None:
     log(f"triton {triton.__version__}")
     ceilings()
     log(f"  copy {FIG['copy_bw'] / 1e12:.2f} TB/s, matmul {FIG['matmul_rate'] / 1e12:.0f} TFLOP/s")
+    if args.tunable:
+        torch.cuda.tunable.enable(True)
+        torch.cuda.tunable.tuning_enable(True)
+    start = time.perf_counter()
     llm = LLM(
         model="preset:llama-3.1-8b",
         load_format="dummy",
-        gpu_memory_utilization=0.5,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=8192,
         max_num_seqs=256,
         max_num_batched_tokens=8192,
     )
+    log(f"engine built in {time.perf_counter() - start:.1f} s (tunable: {args.tunable})")
+    if args.tunable:
+        bench_prefill(llm, 4, 2048, rounds=1)  # tunes the prefill steps' shapes too
+        bench_prefill(llm, 1, 8191, rounds=1)
+        torch.cuda.tunable.tuning_enable(False)  # tuned shapes keep their choice; others the default
     if "micro" not in skip:
         micro_prefill(llm)
     names = {
