@@ -7,7 +7,8 @@ of batch 64 and 256 (CUDA graph replay, and the engine's tok/s) against the byte
 4 x 2048 and 1 x 8191 prefill against the matmul rate. The variants switch off, one at a time
 and then all together (the code before them):
 - ``rotary+kv``: the rotary embedding fused into the KV write (``rotary_write_kv``);
-- ``fresh``: fresh prompts' prefill attention through tensor descriptors (``triton_prefill``).
+- ``fresh``: fresh prompts' prefill attention through tensor descriptors (``triton_prefill``);
+- ``prefetch``: small decode steps pull the next GEMM's weights into L2 (``layers/prefetch.py``).
 Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
 attention kernels alone, with launch settings around the chosen ones.
 """
@@ -40,18 +41,23 @@ from pdinfer.engine.speculative import decode_graph_rows  # noqa: E402
 from pdinfer.layers.attention import triton_paged as tp  # noqa: E402
 from pdinfer.layers.attention import triton_prefill  # noqa: E402
 
+LLM_MODEL: list = []  # the engine's model, for the switches
+
 
 @contextlib.contextmanager
 def variant(off: set[str]):
     """The named changes switched off for the block (module switches; graphs recaptured)."""
-    saved = (tp.TritonPagedAttention.fuses_rotary, tp.fresh_prefill_supported)
+    model = LLM_MODEL[0]
+    saved = (tp.TritonPagedAttention.fuses_rotary, tp.fresh_prefill_supported, model.prefetcher)
+    if "prefetch" in off:
+        model.prefetcher = None
     tp.TritonPagedAttention.fuses_rotary = "rotary+kv" not in off
     if "fresh" in off:
         tp.fresh_prefill_supported = lambda q, k, v: False
     try:
         yield
     finally:
-        tp.TritonPagedAttention.fuses_rotary, tp.fresh_prefill_supported = saved
+        tp.TritonPagedAttention.fuses_rotary, tp.fresh_prefill_supported, model.prefetcher = saved
 
 
 def recapture(llm: LLM) -> None:
@@ -228,6 +234,7 @@ def main() -> None:
         max_num_batched_tokens=8192,
     )
     log(f"engine built in {time.perf_counter() - start:.1f} s (tunable: {args.tunable})")
+    LLM_MODEL.append(llm.engine.model_runner.model)
     if args.tunable:
         bench_prefill(llm, 4, 2048, rounds=1)  # tunes the prefill steps' shapes too
         bench_prefill(llm, 1, 8191, rounds=1)
@@ -237,8 +244,9 @@ def main() -> None:
     names = {
         "new": set(),
         "-rotary+kv": {"rotary+kv"},
+        "-prefetch": {"prefetch"},
         "-fresh": {"fresh"},
-        "old": {"rotary+kv", "fresh"},
+        "old": {"rotary+kv", "fresh", "prefetch"},
     }
     reference = None
     for name in args.variants.split(","):
