@@ -7,8 +7,7 @@ of batch 64 and 256 (CUDA graph replay, and the engine's tok/s) against the byte
 4 x 2048 and 1 x 8191 prefill against the matmul rate. The variants switch off, one at a time
 and then all together (the code before them):
 - ``rotary+kv``: the rotary embedding fused into the KV write (``rotary_write_kv``);
-- ``fresh``: fresh prompts' prefill attention through tensor descriptors (``triton_prefill``);
-- ``prefetch``: small decode steps pull the next GEMM's weights into L2 (``layers/prefetch.py``).
+- ``fresh``: fresh prompts' prefill attention through tensor descriptors (``triton_prefill``).
 Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
 attention kernels alone, with launch settings around the chosen ones.
 """
@@ -41,23 +40,18 @@ from pdinfer.engine.speculative import decode_graph_rows  # noqa: E402
 from pdinfer.layers.attention import triton_paged as tp  # noqa: E402
 from pdinfer.layers.attention import triton_prefill  # noqa: E402
 
-LLM_MODEL: list = []  # the engine's model, for the switches
-
 
 @contextlib.contextmanager
 def variant(off: set[str]):
     """The named changes switched off for the block (module switches; graphs recaptured)."""
-    model = LLM_MODEL[0]
-    saved = (tp.TritonPagedAttention.fuses_rotary, tp.fresh_prefill_supported, model.prefetcher)
-    if "prefetch" in off:
-        model.prefetcher = None
+    saved = (tp.TritonPagedAttention.fuses_rotary, tp.fresh_prefill_supported)
     tp.TritonPagedAttention.fuses_rotary = "rotary+kv" not in off
     if "fresh" in off:
         tp.fresh_prefill_supported = lambda q, k, v: False
     try:
         yield
     finally:
-        tp.TritonPagedAttention.fuses_rotary, tp.fresh_prefill_supported, model.prefetcher = saved
+        tp.TritonPagedAttention.fuses_rotary, tp.fresh_prefill_supported = saved
 
 
 def recapture(llm: LLM) -> None:
@@ -234,7 +228,6 @@ def main() -> None:
         max_num_batched_tokens=8192,
     )
     log(f"engine built in {time.perf_counter() - start:.1f} s (tunable: {args.tunable})")
-    LLM_MODEL.append(llm.engine.model_runner.model)
     if args.tunable:
         bench_prefill(llm, 4, 2048, rounds=1)  # tunes the prefill steps' shapes too
         bench_prefill(llm, 1, 8191, rounds=1)
@@ -244,9 +237,8 @@ def main() -> None:
     names = {
         "new": set(),
         "-rotary+kv": {"rotary+kv"},
-        "-prefetch": {"prefetch"},
         "-fresh": {"fresh"},
-        "old": {"rotary+kv", "fresh", "prefetch"},
+        "old": {"rotary+kv", "fresh"},
     }
     reference = None
     for name in args.variants.split(","):

@@ -90,23 +90,6 @@ def test_silu_and_mul():
     assert rel_err(triton_ops.silu_and_mul(x), ref) < 1e-6
 
 
-def test_l2_prefetch_reads_a_prefix_of_every_row():
-    """The prefetch kernel loads the first ``prefetch_columns`` columns of every row (each
-    program's scratch word is their sum, which keeps the loads), and the budget arithmetic
-    rounds to whole 128-column chunks within the row."""
-    from pdinfer.layers import prefetch
-
-    w = torch.randn(150, 1000)
-    assert prefetch.prefetch_columns(w, budget_bytes=150 * 4 * 300) == 256
-    assert prefetch.prefetch_columns(w, budget_bytes=1) == 128  # at least one chunk
-    assert prefetch.prefetch_columns(w, budget_bytes=1 << 30) == 896  # at most the row, whole chunks
-    scratch = torch.zeros(8)
-    prefetch._l2_prefetch_kernel[(3,)](w, scratch, 150, w.stride(0), COLS=256, ROWS=64, BLOCK_C=128)
-    expected = [w[i * 64 : (i + 1) * 64, :256].sum() for i in range(3)]
-    assert torch.allclose(scratch[:3], torch.stack(expected), rtol=1e-4)
-    assert torch.all(scratch[3:] == 0)
-
-
 # --- paged attention ----------------------------------------------------------------------------
 NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 96, 3, 4, 2, 32
 

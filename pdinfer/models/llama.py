@@ -17,7 +17,6 @@ from pdinfer.layers import cpu_kernels
 from pdinfer.layers.attention.metadata import AttentionMetadata
 from pdinfer.layers.attention.torch_paged import TorchPagedAttention
 from pdinfer.layers.attention.triton_paged import GpuAttentionMetadata, TritonPagedAttention
-from pdinfer.layers.prefetch import PREFETCH_MAX_ROWS, WeightPrefetcher
 from pdinfer.layers.rotary import RotaryEmbedding, apply_rotary
 from pdinfer.models.spec import ModelSpec
 
@@ -124,18 +123,13 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.intermediate, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate, spec.hidden_size, bias=spec.mlp_bias)
 
-    def forward(self, x: torch.Tensor, prefetch: WeightPrefetcher | None = None) -> torch.Tensor:
-        """``prefetch``: down_proj's weight goes into L2 while SiLU-and-mul runs (a small decode
-        step on CUDA, ``layers/prefetch.py``)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > MLP_CHUNK_ROWS and not x.is_cuda:
             # Large prefills in row chunks: each chunk's [rows, 2 * intermediate] temporary stays
             # small enough for glibc to reuse (32 MiB and up is a fresh, page-faulting mmap).
             return torch.cat([self(part) for part in x.split(MLP_CHUNK_ROWS)])
         if (ops := _fused_ops(x)) is not None:
-            gate_up = self.gate_up_proj(x)
-            if prefetch is not None:
-                prefetch.fork(self.down_proj.weight)
-            return self.down_proj(ops.silu_and_mul(gate_up))
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
@@ -176,8 +170,6 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack: DecodeStack | None = None
         # The CUDA step runner turns this on: residual adds fused into the next norm (Triton).
         self.fused_residual = False
-        # and sets this: small decode steps prefetch the next GEMM's weights (layers/prefetch.py)
-        self.prefetcher: WeightPrefetcher | None = None
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -215,9 +207,6 @@ class LlamaForCausalLM(nn.Module):
 
         layers = self.layers
         last = len(layers) - 1
-        pf = self.prefetcher
-        if pf is None or not getattr(meta, "is_decode", False) or x.shape[0] > PREFETCH_MAX_ROWS:
-            pf = None  # only small decode steps: a larger step's GEMMs are not bandwidth-bound
         normed = layers[0].input_layernorm(x)
         for i, layer in enumerate(layers):
             keep = keep_rows if i == last else None
@@ -225,19 +214,13 @@ class LlamaForCausalLM(nn.Module):
             if keep is not None:
                 x = x.index_select(0, keep)
             post = layer.post_attention_layernorm
-            if pf is not None:  # the next GEMMs' weights while the norms run
-                pf.fork(layer.mlp.gate_up_proj.weight)
             normed = ops.add_rms_norm_(h, x, post.weight, post.eps)
-            h = layer.mlp(normed, pf)
+            h = layer.mlp(normed)
             if i < last:
-                nxt = layers[i + 1]
-                if pf is not None:
-                    pf.fork(nxt.self_attn.qkv_proj.weight)
-                normed = ops.add_rms_norm_(h, x, nxt.input_layernorm.weight, nxt.input_layernorm.eps)
+                nxt = layers[i + 1].input_layernorm
+                normed = ops.add_rms_norm_(h, x, nxt.weight, nxt.eps)
             else:
                 x.add_(h)
-        if pf is not None:
-            pf.join()
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

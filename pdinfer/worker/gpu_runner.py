@@ -22,7 +22,6 @@ from pdinfer.config import RunnerOptions
 from pdinfer.layers.attention.triton_mla import mla_decode_programs, use_triton_mla
 from pdinfer.layers.attention.triton_paged import use_triton_attention
 from pdinfer.layers.moe import SparseMoE
-from pdinfer.layers.prefetch import WeightPrefetcher
 from pdinfer.models.llama import LlamaForCausalLM
 from pdinfer.worker import batch_invariant
 from pdinfer.worker.cache_engine import CacheEngine
@@ -87,8 +86,6 @@ class GpuRunner(RunnerBase):
         use_triton_attention(self.model)
         if isinstance(self.model, LlamaForCausalLM):
             self.model.fused_residual = True  # residual add + RMSNorm in one Triton kernel
-            if self.device.type == "cuda" and not self.batch_invariant:
-                self.model.prefetcher = WeightPrefetcher(self.device)
         use_triton_mla(self.model)
         mla = self.spec.mla
         # decode attention programs per sequence and split: KV heads, or MLA's head groups
