@@ -81,7 +81,7 @@ def measure(llm: LLM, name: str, reference_tokens) -> list[list[int]]:
             f"graph {g:.3f} ms ({1e3 * b / floor / g:.1%})"
         )
     for n, length in ((4, 2048), (1, 8191)):
-        tok_s = bench_prefill(llm, n, length)
+        tok_s = bench_prefill(llm, n, length, seed=1000 * len(FIG) + length)  # fresh prompts per variant
         rate = prefill_flops(llm, n, length) * tok_s / (n * length)
         res[f"prefill_{n}x{length}"] = {"tok_s": tok_s, "frac": rate / FIG["matmul_rate"]}
         log(f"  [{name}] prefill {n}x{length}: {tok_s:.0f} tok/s, {rate / FIG['matmul_rate']:.1%} of matmul")
