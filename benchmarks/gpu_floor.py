@@ -236,6 +236,7 @@ def main() -> None:
         micro_prefill(llm)
     names = {
         "new": set(),
+        "recaptured": set(),  # "new" with its graphs captured again (after the engine has run)
         "-rotary+kv": {"rotary+kv"},
         "-fresh": {"fresh"},
         "old": {"rotary+kv", "fresh"},
