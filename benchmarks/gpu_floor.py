@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_correctness import random_prompts  # noqa: E402
-from benchmarks.gpu_micro import FIG, ROWS, graph_timed, log  # noqa: E402
+from benchmarks.gpu_micro import FIG, ROWS, graph_timed, llama_8b, log  # noqa: E402
 from benchmarks.gpu_speed import (  # noqa: E402
     bench_decode,
     bench_prefill,
@@ -219,14 +219,7 @@ def main() -> None:
         torch.cuda.tunable.enable(True)
         torch.cuda.tunable.tuning_enable(True)
     start = time.perf_counter()
-    llm = LLM(
-        model="preset:llama-3.1-8b",
-        load_format="dummy",
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=8192,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-    )
+    llm = llama_8b(args.gpu_memory_utilization)
     log(f"engine built in {time.perf_counter() - start:.1f} s (tunable: {args.tunable})")
     if args.tunable:
         bench_prefill(llm, 4, 2048, rounds=1)  # tunes the prefill steps' shapes too

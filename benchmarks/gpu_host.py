@@ -21,9 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_micro import log  # noqa: E402
+from benchmarks.gpu_micro import llama_8b, log  # noqa: E402
 from benchmarks.gpu_speed import bench_decode, graph_step_ms  # noqa: E402
-from pdinfer import LLM  # noqa: E402
 from pdinfer.worker.gpu_runner import PendingStepResult  # noqa: E402
 
 TIMES: dict[str, float] = collections.defaultdict(float)
@@ -50,14 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
-    llm = LLM(
-        model="preset:llama-3.1-8b",
-        load_format="dummy",
-        gpu_memory_utilization=0.5,
-        max_model_len=8192,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-    )
+    llm = llama_8b()
     b = args.batch
     bench_decode(llm, b)  # warm-up
     log(f"graph replay B={b}: {graph_step_ms(llm, b):.2f} ms")

@@ -14,6 +14,22 @@ from pdinfer.layers.attention import triton_paged as tp
 from pdinfer.worker.cache_engine import CacheEngine
 from pdinfer.worker.step_input import SampleSpec, StepInput
 
+
+def llama_8b(gpu_memory_utilization: float = 0.5):
+    """The speed benchmarks' engine: the Llama-3.1-8B shape with dummy bf16 weights, steps of up
+    to 256 sequences or 8,192 tokens."""
+    from pdinfer import LLM
+
+    return LLM(
+        model="preset:llama-3.1-8b",
+        load_format="dummy",
+        gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=8192,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+    )
+
+
 FIG: dict[str, object] = {}  # every figure, for the JSON
 ROWS: list[tuple[str, str, str, str]] = []  # the table: what, measured, reference, fraction
 PROMPT_LEN, NEW_TOKENS = 576, 128  # mean decode context 640

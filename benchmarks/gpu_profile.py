@@ -20,12 +20,16 @@ import io
 import pstats
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from triton.testing import do_bench_cudagraph
 
-from pdinfer import LLM, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gpu_micro import llama_8b  # noqa: E402
+from pdinfer import SamplingParams  # noqa: E402
 from pdinfer.layers.attention import triton_paged as tp
 from pdinfer.worker.cache_engine import CacheEngine
 from pdinfer.worker.step_input import SampleSpec, StepInput
@@ -244,14 +248,7 @@ def traces(llm) -> None:
 def main() -> None:
     which = set(sys.argv[1:]) or {"kernels", "host", "prefill"}
     log(torch.cuda.get_device_name(), torch.__version__, time.strftime("%Y-%m-%d %H:%M"))
-    llm = LLM(
-        model="preset:llama-3.1-8b",
-        load_format="dummy",
-        gpu_memory_utilization=0.5,
-        max_model_len=8192,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-    )
+    llm = llama_8b()
     if "kernels" in which:
         for batch in (64, 256):
             decode_profile(llm, batch)
