@@ -107,7 +107,7 @@ if HAS_TRITON:
         )
 
 
-# Launch settings (benchmarks/gpu_prefill_attention.py times alternatives).
+# Launch settings (the micro part of benchmarks/gpu_floor.py times alternatives).
 FRESH_CONFIG = {"block_n": 128, "num_warps": 8, "num_stages": 3}
 
 
