@@ -6,9 +6,10 @@ A tiny random Llama (one layer of width 64, the 8B model's vocabulary) runs ``--
 sequences; once every prompt is prefilled and ``--skip-tokens`` decode steps have run, the
 runner is replaced by one that returns its sampled tokens at once, so the timed steps measure
 only what the host does: scheduling, the step's input, output processing and the client-side
-tracking of ``LLMEngine.step`` (as ``LLM.generate`` runs them, zero-overhead scheduling off so
-that one thread does all of it). Each round times the steps with the engine loop's collector
-settings (``engine/heap.py``) and with the interpreter's defaults, alternating, in one process.
+tracking of ``LLMEngine.step`` (zero-overhead scheduling off, so that one thread does all of
+it). Each round times the steps as ``LLM.generate`` runs them (the engine loop's collector
+settings, ``engine/heap.py``; outputs of ended requests only), building every request's output
+each step, and that with the interpreter's collector defaults, alternating, in one process.
 """
 
 from __future__ import annotations
@@ -51,7 +52,15 @@ TINY = {
 }
 
 
-def timed_steps(engine, steps: int, loop_settings: bool) -> float:
+# (label, the engine loop's collector settings, step(finished_only=...))
+VARIANTS = (
+    ("as LLM.generate runs", True, True),
+    ("every request's output each step", True, False),
+    ("and the interpreter's collector defaults (before 2026-12-06)", False, False),
+)
+
+
+def timed_steps(engine, steps: int, loop_settings: bool, finished_only: bool) -> float:
     """Seconds a step over ``steps`` steps, under the engine loop's collector settings or the
     interpreter's defaults."""
     saved = heap.LOOP_GC_THRESHOLD
@@ -61,7 +70,7 @@ def timed_steps(engine, steps: int, loop_settings: bool) -> float:
         with heap.startup_objects_frozen():
             start = time.perf_counter()
             for _ in range(steps):
-                engine.step()
+                engine.step(finished_only=finished_only)
             return (time.perf_counter() - start) / steps
     finally:
         heap.LOOP_GC_THRESHOLD = saved
@@ -80,7 +89,7 @@ def main() -> None:
     llm = LLM(model=folder, load_format="dummy", max_model_len=8192, max_num_seqs=args.batch)
     engine = llm.engine
     runner = engine.model_runner
-    new_tokens = args.skip_tokens + 2 * args.rounds * args.steps + 8
+    new_tokens = args.skip_tokens + len(VARIANTS) * args.rounds * args.steps + 8
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for i in range(args.batch):
@@ -91,16 +100,16 @@ def main() -> None:
     runner.execute = lambda inp: StepResult(step_id=inp.step_id, token_ids=[5] * len(inp.samples))
     for _ in range(args.skip_tokens):
         engine.step()
-    times: dict[bool, list[float]] = {True: [], False: []}
+    times: dict[str, list[float]] = {label: [] for label, _, _ in VARIANTS}
     for _ in range(args.rounds):
-        for loop_settings in (True, False):
-            times[loop_settings].append(timed_steps(engine, args.steps, loop_settings))
-    for loop_settings, label in ((True, "engine loop's collector settings"), (False, "interpreter's defaults")):
-        t = statistics.median(times[loop_settings])
+        for label, loop_settings, finished_only in VARIANTS:
+            times[label].append(timed_steps(engine, args.steps, loop_settings, finished_only))
+    for label, _, _ in VARIANTS:
+        t = statistics.median(times[label])
         print(
             f"batch {args.batch}, {args.skip_tokens} tokens into the output, {label}: "
             f"{1e3 * t:.2f} ms a step ({1e6 * t / args.batch:.1f} us a sequence); "
-            f"rounds {', '.join(f'{1e3 * x:.2f}' for x in times[loop_settings])}"
+            f"rounds {', '.join(f'{1e3 * x:.2f}' for x in times[label])}"
         )
 
 

@@ -18,10 +18,10 @@ def test_generate_freezes_the_startup_heap_and_gives_it_back(tiny_model):
     thresholds: list[int] = []
     step = llm.engine.step
 
-    def watched_step():
+    def watched_step(**kwargs):
         seen.append(gc.get_freeze_count())
         thresholds.append(gc.get_threshold()[0])
-        return step()
+        return step(**kwargs)
 
     llm.engine.step = watched_step  # observes the loop; the engine's step runs unchanged
     before = gc.get_freeze_count()
@@ -36,3 +36,27 @@ def test_generate_freezes_the_startup_heap_and_gives_it_back(tiny_model):
     garbage.append(garbage)  # a cycle made after generate: still collected
     del garbage
     assert gc.collect() >= 1
+
+
+def test_finished_only_steps_give_the_same_final_outputs(tiny_model):
+    """``step(finished_only=True)`` (what ``LLM.generate`` runs) returns exactly the outputs
+    of the requests that ended, once each, equal to the final outputs of plain steps."""
+    model, tokenizer = tiny_model
+    llm = LLM(model=model, tokenizer=tokenizer, load_format="dummy", max_model_len=256, num_kv_blocks=64)
+    engine = llm.engine
+    lengths = {"a": 2, "b": 7, "c": 4}
+    finals = []
+    for finished_only in (False, True):
+        for name, n in lengths.items():
+            params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, seed=3)
+            engine.add_request(f"{name}-{finished_only}", "The sky is", params)
+        seen: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step(finished_only=finished_only):
+                seen.setdefault(out.request_id.split("-")[0], []).append(out)
+        if finished_only:
+            assert all(len(v) == 1 and v[0].finished for v in seen.values())
+        else:
+            assert any(len(v) > 1 for v in seen.values())  # plain steps report progress too
+        finals.append({k: (v[-1].outputs[0].token_ids, v[-1].outputs[0].text) for k, v in seen.items()})
+    assert finals[0] == finals[1] and [len(finals[1][k][0]) for k in lengths] == list(lengths.values())

@@ -48,7 +48,9 @@ class DPEngineClient:
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """The outputs the ranks sent since the last call (waits for one while requests are
+        unfinished); ``finished_only``: of the requests that ended only."""
         outputs: list[RequestOutput] = []
         while self._unfinished and not outputs:
             try:
@@ -66,7 +68,7 @@ class DPEngineClient:
                 raise item
             if item.finished:
                 self._unfinished.discard(item.request_id)
-        return outputs
+        return [o for o in outputs if o.finished] if finished_only else outputs
 
     def shutdown(self) -> None:
         self.front.shutdown()

@@ -23,7 +23,6 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-
 # Net new containers between two young-generation collections inside the engine loop.
 LOOP_GC_THRESHOLD = 50_000
 

@@ -88,7 +88,7 @@ class LLM:
         try:
             with startup_objects_frozen():  # no full collections over the model's objects
                 while self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
+                    for output in self.engine.step(finished_only=True):
                         if output.finished and output.request_id in wanted and output.request_id not in final:
                             final[output.request_id] = output
                             bar.update(1)

@@ -407,9 +407,10 @@ class LLMEngine:
         return self.block_manager.num_free_blocks
 
     # --- the step ----------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One step, with the client side in process: the cumulative output (text included)
-        of every request the step touched."""
+        of every request the step touched. ``finished_only``: of the requests that ended only
+        (``LLM.generate`` reads no other, and each output copies its request's tokens)."""
         if self._trackers is None:  # first use: track what is already here
             self._trackers = {}
             for state in self.requests.values():
@@ -423,6 +424,8 @@ class LLMEngine:
                 self.stop_seq(delta.request_id, index)
             if tracker.finished:
                 del self._trackers[delta.request_id]
+            elif finished_only:
+                continue
             outputs.append(tracker.output())
         return outputs
 
