@@ -11,10 +11,9 @@ The loop also raises the young generation's threshold (``LOOP_GC_THRESHOLD``). A
 makes thousands of short-lived containers (sample specs, deltas, each request's cumulative
 output with a copy of its token ids) that reference counting frees by the end of the step; at
 the default threshold of 700 the collector still ran several times a step and walked the
-live ones, long token lists included. With 256 sequences that was a third of the host's work
-a step on the 2-core Xeon: 8.2 ms against 5.2 with the raised threshold 1,500 tokens into the
-outputs, 8.3 against 5.6 at 64 (``python benchmarks/host_step.py``). Cycles are still
-collected, later.
+live ones, long token lists included. With 256 sequences 1,500 tokens into their outputs
+that was a third of the host's work a step on the 2-core Xeon, 7.8 ms against 5.2 with the
+raised threshold (``python benchmarks/host_step.py``). Cycles are still collected, later.
 """
 
 from __future__ import annotations
