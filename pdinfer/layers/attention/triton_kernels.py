@@ -4,17 +4,15 @@ Launched by the wrappers in ``triton_paged``, which hold the launch settings. Al
 the KV cache in place through block tables, given the strides of one layer's view
 ``kv[:, layer]`` ([num_blocks, 2, block_size, kv_heads, head_dim]).
 
-- ``write_kv_kernel``: one program per new token stores its K and V into its slot (slot -1:
-  skip, the padding rows of a CUDA-graph batch); ``rotary_write_kv_kernel`` does the same after
-  rotating Q and K (the rotary embedding and the KV write in one launch).
+- The KV write (with or without the rotary embedding) is in ``triton_kv_write``.
 - ``decode_kernel``: one program per (sequence, KV head, split) computes all query heads of that
   KV head (GQA: each K/V tile is loaded once for the whole group); with several splits
   ``decode_merge_kernel`` merges the partial softmaxes.
 - ``prefill_kernel``: one program per (query tile of a sequence, query head); a query at
   position p attends to keys 0..p of its sequence, read from the cache.
 
-FP8 caches (``KV_FP8``, a float8 e4m3 cache): the write kernel divides by the layer's K or V
-scale, clamps to e4m3's range and rounds (round to nearest even); the attention kernels convert
+FP8 caches (``KV_FP8``, a float8 e4m3 cache): the write kernels (``triton_kv_write``) divide by
+the layer's K or V scale, clamp to e4m3's range and round; the attention kernels convert
 the loaded tiles to the query's dtype (exact: every e4m3 value is a bf16/fp16/fp32 value), fold
 the K scale into ``qk_scale`` (the wrapper does) and multiply the output by the V scale.
 
@@ -33,119 +31,6 @@ from __future__ import annotations
 from pdinfer.layers.triton_ops import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
-    from pdinfer.layers.triton_ops import rotate_halves
-
-    @triton.jit
-    def write_kv_kernel(
-        k_ptr,
-        v_ptr,
-        cache_ptr,
-        slot_ptr,
-        stride_kt,
-        stride_kh,
-        stride_vt,
-        stride_vh,
-        stride_cb,
-        stride_ckv,
-        stride_ct,
-        stride_ch,
-        num_kv_heads,
-        k_scale_inv,
-        v_scale_inv,
-        BLOCK_SIZE: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        D_PAD: tl.constexpr,
-        HEADS_PAD: tl.constexpr,
-        KV_FP8: tl.constexpr = False,
-    ):
-        t = tl.program_id(0)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot >= 0:
-            heads = tl.arange(0, HEADS_PAD)
-            d = tl.arange(0, D_PAD)
-            mask = (heads[:, None] < num_kv_heads) & (d[None, :] < HEAD_DIM)
-            blk = slot // BLOCK_SIZE
-            dst = cache_ptr + blk * stride_cb + (slot % BLOCK_SIZE) * stride_ct
-            dst = dst + heads[:, None] * stride_ch + d[None, :]
-            t64 = t.to(tl.int64)
-            k = tl.load(k_ptr + t64 * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask)
-            v = tl.load(v_ptr + t64 * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask)
-            if KV_FP8:  # e4m3 has no infinity: clamp to its largest value before rounding
-                k = tl.minimum(tl.maximum(k.to(tl.float32) * k_scale_inv, -448.0), 448.0)
-                v = tl.minimum(tl.maximum(v.to(tl.float32) * v_scale_inv, -448.0), 448.0)
-            tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def rotary_write_kv_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        cos_ptr,
-        sin_ptr,
-        cache_ptr,
-        slot_ptr,
-        stride_qt,
-        stride_qh,
-        stride_kt,
-        stride_kh,
-        stride_vt,
-        stride_vh,
-        stride_cos,
-        stride_cb,
-        stride_ckv,
-        stride_ct,
-        stride_ch,
-        num_q_heads,
-        num_kv_heads,
-        k_scale_inv,
-        v_scale_inv,
-        HALF: tl.constexpr,
-        HALF_PAD: tl.constexpr,
-        Q_HEADS_PAD: tl.constexpr,
-        KV_HEADS_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        KV_FP8: tl.constexpr = False,
-    ):
-        """Program (t, 0) rotates token t's query heads in place; program (t, 1) rotates its key
-        heads in place and stores them, with its value heads, into the token's slot (the
-        rotation is ``rotate_halves``, so the values are ``_rotary_qk_kernel``'s bit for bit)."""
-        t = tl.program_id(0).to(tl.int64)
-        d = tl.arange(0, HALF_PAD)
-        dmask = d < HALF
-        c = tl.load(cos_ptr + t * stride_cos + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-        s = tl.load(sin_ptr + t * stride_cos + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-        if tl.program_id(1) == 0:  # (names apart from the other branch's: their shapes differ)
-            qh = tl.arange(0, Q_HEADS_PAD)
-            qmask = (qh[:, None] < num_q_heads) & dmask[None, :]
-            qp = q_ptr + t * stride_qt + qh[:, None] * stride_qh + d[None, :]
-            r1, r2 = rotate_halves(tl.load(qp, mask=qmask), tl.load(qp + HALF, mask=qmask), c, s)
-            tl.store(qp, r1, mask=qmask)
-            tl.store(qp + HALF, r2, mask=qmask)
-        else:
-            heads = tl.arange(0, KV_HEADS_PAD)
-            mask = (heads[:, None] < num_kv_heads) & dmask[None, :]
-            ptr = k_ptr + t * stride_kt + heads[:, None] * stride_kh + d[None, :]
-            k1, k2 = rotate_halves(tl.load(ptr, mask=mask), tl.load(ptr + HALF, mask=mask), c, s)
-            tl.store(ptr, k1, mask=mask)
-            tl.store(ptr + HALF, k2, mask=mask)
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-            if slot >= 0:  # -1: a CUDA graph's padding row
-                vp = v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :]
-                v1 = tl.load(vp, mask=mask)
-                v2 = tl.load(vp + HALF, mask=mask)
-                if KV_FP8:  # as write_kv_kernel: scale, clamp to e4m3's range, round
-                    k1 = tl.minimum(tl.maximum(k1.to(tl.float32) * k_scale_inv, -448.0), 448.0)
-                    k2 = tl.minimum(tl.maximum(k2.to(tl.float32) * k_scale_inv, -448.0), 448.0)
-                    v1 = tl.minimum(tl.maximum(v1.to(tl.float32) * v_scale_inv, -448.0), 448.0)
-                    v2 = tl.minimum(tl.maximum(v2.to(tl.float32) * v_scale_inv, -448.0), 448.0)
-                dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
-                dst = dst + heads[:, None] * stride_ch + d[None, :]
-                ty = cache_ptr.dtype.element_ty
-                tl.store(dst, k1.to(ty), mask=mask)
-                tl.store(dst + HALF, k2.to(ty), mask=mask)
-                tl.store(dst + stride_ckv, v1.to(ty), mask=mask)
-                tl.store(dst + stride_ckv + HALF, v2.to(ty), mask=mask)
 
     @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes every step
     def decode_kernel(

@@ -36,8 +36,9 @@ chunked:
 A prompt row and the decode row of the same position still reduce differently (two kernels),
 as on the CPU; a sequence recomputed after preemption may therefore change its last bits.
 
-The ``@triton.jit`` kernels live in ``triton_kernels``; this module holds the per-step metadata,
-the launch settings and wrappers, and the backend class.
+The ``@triton.jit`` kernels live in ``triton_kernels`` (the KV write's in ``triton_kv_write``);
+this module holds the per-step metadata, the launch settings and wrappers, and the backend
+class.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from pdinfer.layers.attention import triton_kernels as kernels
+from pdinfer.layers.attention.triton_kv_write import is_fp8, rotary_write_kv, write_kv
 from pdinfer.layers.attention.triton_prefill import fresh_prefill_attention, fresh_prefill_supported
 from pdinfer.layers.triton_ops import HAS_TRITON, next_pow2
 
@@ -109,105 +111,6 @@ def batch_invariant_splits(max_context: int) -> int:
 def _precision(q: torch.Tensor) -> str:
     # float32 models get exact float32 dots (Triton's default for them is tf32)
     return "ieee" if q.dtype == torch.float32 else "tf32"
-
-
-def is_fp8(layer_cache: torch.Tensor) -> bool:
-    return layer_cache.dtype == torch.float8_e4m3fn
-
-
-def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layer_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
-    """Store k/v [T, KVH, D] into ``layer_cache`` [num_blocks, 2, block_size, KVH, D]; an FP8
-    cache stores k / k_scale and v / v_scale."""
-    t, kvh, dim = k.shape
-    if t == 0:
-        return
-    c = layer_cache
-    kernels.write_kv_kernel[(t,)](
-        k,
-        v,
-        c,
-        slot_mapping,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        c.stride(0),
-        c.stride(1),
-        c.stride(2),
-        c.stride(3),
-        kvh,
-        1.0 / k_scale,
-        1.0 / v_scale,
-        BLOCK_SIZE=c.shape[2],
-        HEAD_DIM=dim,
-        D_PAD=next_pow2(dim),
-        HEADS_PAD=next_pow2(kvh),
-        KV_FP8=is_fp8(c),
-        num_warps=4,
-    )
-
-
-def rotary_write_kv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    layer_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
-    """``rotary_qk_(q, k, cos, sin)`` then ``write_kv(k, v, ...)`` in one launch, the same values
-    bit for bit: q [T, H, D] and k [T, KVH, D] rotated in place (strided views of one QKV
-    output, unit stride in the last dim), the rotated k and v stored into their slots. The
-    rotary embedding must cover the whole head (``cos`` [T, D])."""
-    t, h, dim = q.shape
-    kvh = k.shape[1]
-    if t == 0:
-        return
-    if cos.shape[-1] != dim or dim % 2 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("rotary_write_kv needs a full-width rotary and unit stride in the head dim")
-    c = layer_cache
-    half = dim // 2
-    kernels.rotary_write_kv_kernel[(t, 2)](
-        q,
-        k,
-        v,
-        cos,
-        sin,
-        c,
-        slot_mapping,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        cos.stride(0),
-        c.stride(0),
-        c.stride(1),
-        c.stride(2),
-        c.stride(3),
-        h,
-        kvh,
-        1.0 / k_scale,
-        1.0 / v_scale,
-        HALF=half,
-        HALF_PAD=next_pow2(half),
-        Q_HEADS_PAD=next_pow2(h),
-        KV_HEADS_PAD=next_pow2(kvh),
-        BLOCK_SIZE=c.shape[2],
-        KV_FP8=is_fp8(c),
-        num_warps=4,
-    )
 
 
 def decode_attention(
