@@ -22,6 +22,14 @@ if HAS_TRITON:
     from pdinfer.layers.triton_ops import rotate_halves
 
     @triton.jit
+    def _cache_value(x, scale_inv, ty, KV_FP8: tl.constexpr):
+        """``x`` as the cache stores it: an FP8 cache's divided by the scale and clamped to
+        e4m3's range (it has no infinity) before the cast rounds it."""
+        if KV_FP8:
+            x = tl.minimum(tl.maximum(x.to(tl.float32) * scale_inv, -448.0), 448.0)
+        return x.to(ty)
+
+    @triton.jit
     def write_kv_kernel(
         k_ptr,
         v_ptr,
@@ -56,11 +64,9 @@ if HAS_TRITON:
             t64 = t.to(tl.int64)
             k = tl.load(k_ptr + t64 * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask)
             v = tl.load(v_ptr + t64 * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask)
-            if KV_FP8:  # e4m3 has no infinity: clamp to its largest value before rounding
-                k = tl.minimum(tl.maximum(k.to(tl.float32) * k_scale_inv, -448.0), 448.0)
-                v = tl.minimum(tl.maximum(v.to(tl.float32) * v_scale_inv, -448.0), 448.0)
-            tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+            ty = cache_ptr.dtype.element_ty
+            tl.store(dst, _cache_value(k, k_scale_inv, ty, KV_FP8), mask=mask)
+            tl.store(dst + stride_ckv, _cache_value(v, v_scale_inv, ty, KV_FP8), mask=mask)
 
     @triton.jit
     def rotary_write_kv_kernel(
@@ -118,20 +124,14 @@ if HAS_TRITON:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             if slot >= 0:  # -1: a CUDA graph's padding row
                 vp = v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :]
-                v1 = tl.load(vp, mask=mask)
-                v2 = tl.load(vp + HALF, mask=mask)
-                if KV_FP8:  # as write_kv_kernel: scale, clamp to e4m3's range, round
-                    k1 = tl.minimum(tl.maximum(k1.to(tl.float32) * k_scale_inv, -448.0), 448.0)
-                    k2 = tl.minimum(tl.maximum(k2.to(tl.float32) * k_scale_inv, -448.0), 448.0)
-                    v1 = tl.minimum(tl.maximum(v1.to(tl.float32) * v_scale_inv, -448.0), 448.0)
-                    v2 = tl.minimum(tl.maximum(v2.to(tl.float32) * v_scale_inv, -448.0), 448.0)
                 dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
                 dst = dst + heads[:, None] * stride_ch + d[None, :]
                 ty = cache_ptr.dtype.element_ty
-                tl.store(dst, k1.to(ty), mask=mask)
-                tl.store(dst + HALF, k2.to(ty), mask=mask)
-                tl.store(dst + stride_ckv, v1.to(ty), mask=mask)
-                tl.store(dst + stride_ckv + HALF, v2.to(ty), mask=mask)
+                tl.store(dst, _cache_value(k1, k_scale_inv, ty, KV_FP8), mask=mask)
+                tl.store(dst + HALF, _cache_value(k2, k_scale_inv, ty, KV_FP8), mask=mask)
+                v1, v2 = tl.load(vp, mask=mask), tl.load(vp + HALF, mask=mask)
+                tl.store(dst + stride_ckv, _cache_value(v1, v_scale_inv, ty, KV_FP8), mask=mask)
+                tl.store(dst + stride_ckv + HALF, _cache_value(v2, v_scale_inv, ty, KV_FP8), mask=mask)
 
 
 def is_fp8(layer_cache: torch.Tensor) -> bool:
@@ -161,10 +161,7 @@ def write_kv(
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        c.stride(0),
-        c.stride(1),
-        c.stride(2),
-        c.stride(3),
+        *c.stride()[:4],  # block, K/V, slot, head
         kvh,
         1.0 / k_scale,
         1.0 / v_scale,
@@ -215,10 +212,7 @@ def rotary_write_kv(
         v.stride(0),
         v.stride(1),
         cos.stride(0),
-        c.stride(0),
-        c.stride(1),
-        c.stride(2),
-        c.stride(3),
+        *c.stride()[:4],
         h,
         kvh,
         1.0 / k_scale,
