@@ -7,7 +7,9 @@ of batch 64 and 256 (CUDA graph replay, and the engine's tok/s) against the byte
 4 x 2048 and 1 x 8191 prefill against the matmul rate. The variants switch off, one at a time
 and then all together (the code before them):
 - ``rotary+kv``: the rotary embedding fused into the KV write (``rotary_write_kv``);
-- ``fresh``: fresh prompts' prefill attention through tensor descriptors (``triton_prefill``).
+- ``fresh``: fresh prompts' prefill attention through tensor descriptors (``triton_prefill``);
+- ``decode-kv``: at decode, the rotary embedding and the KV write inside the attention kernel
+  (``decode_attention(rotary=...)``; off: ``rotary_write_kv`` then the attention).
 Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
 attention kernels alone, with launch settings around the chosen ones.
 """
@@ -44,14 +46,16 @@ from pdinfer.layers.attention import triton_prefill  # noqa: E402
 @contextlib.contextmanager
 def variant(off: set[str]):
     """The named changes switched off for the block (module switches; graphs recaptured)."""
-    saved = (tp.TritonPagedAttention.fuses_rotary, tp.fresh_prefill_supported)
-    tp.TritonPagedAttention.fuses_rotary = "rotary+kv" not in off
+    backend = tp.TritonPagedAttention
+    saved = (backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported)
+    backend.fuses_rotary = "rotary+kv" not in off
+    backend.decode_writes_kv = "decode-kv" not in off
     if "fresh" in off:
         tp.fresh_prefill_supported = lambda q, k, v: False
     try:
         yield
     finally:
-        tp.TritonPagedAttention.fuses_rotary, tp.fresh_prefill_supported = saved
+        backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported = saved
 
 
 def recapture(llm: LLM) -> None:
@@ -92,6 +96,60 @@ def measure(llm: LLM, name: str, reference_tokens) -> list[list[int]]:
     FIG[name] = res
     ROWS.append((name, *(f"{res[k]['graph_ms']:.3f}" for k in ("decode_64", "decode_256")), ""))
     return tokens
+
+
+def micro_decode_kv(llm: LLM) -> None:
+    """The decode attention that rotates q and writes the new K/V itself, against
+    ``rotary_write_kv`` then the attention: the same output and cache bit for bit (bf16 and FP8
+    caches; the interpreter's tests cannot check bf16), and each timed alone from a CUDA graph."""
+    from pdinfer.layers.rotary import RotaryEmbedding
+
+    runner = llm.engine.model_runner
+    spec = runner.spec
+    h, kvh, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    bs = runner.require_cache().block_size
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for b in (1, 64, 256):
+        ctx = torch.randint(256, 1025, (b,), device="cuda", generator=g)  # mean about 640
+        per_seq = -(-1024 // bs)
+        tables = torch.randperm(b * per_seq, device="cuda", generator=g).view(b, per_seq)
+        pos = ctx - 1
+        slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        cos, sin = RotaryEmbedding(dim, 500000.0, {}).cos_sin(pos, runner.dtype)
+        qkv0 = torch.randn(b, (h + 2 * kvh) * dim, device="cuda", dtype=runner.dtype, generator=g)
+        splits = tp.decode_num_splits(b, kvh, None)
+        for kv_dtype in (runner.dtype, torch.float8_e4m3fn):
+            # one layer of the engine's cache layout [blocks, layers, 2, block_size, kv_heads, dim]
+            shape = (b * per_seq, 1, 2, bs, kvh, dim)
+            kv0 = torch.randn(shape, device="cuda", dtype=runner.dtype, generator=g).to(kv_dtype)
+            results = []
+            for fused in (False, True):
+                qkv, kv = qkv0.clone(), kv0.clone()
+                layer = kv[:, 0]
+                q = qkv[:, : h * dim].view(b, h, dim)
+                k = qkv[:, h * dim : (h + kvh) * dim].view(b, kvh, dim)
+                v = qkv[:, (h + kvh) * dim :].view(b, kvh, dim)
+                args = (layer, tables, ctx, dim**-0.5, splits)
+
+                def run(fused=fused, q=q, k=k, v=v, layer=layer, args=args, rot=(cos, sin, slots)):
+                    if fused:
+                        return tp.decode_attention(q, *args, rotary=tp.DecodeRotary(k, v, *rot))
+                    tp.rotary_write_kv(q, k, v, rot[0], rot[1], layer, rot[2])
+                    return tp.decode_attention(q, *args)
+
+                out = run()
+                results.append((out.clone(), kv.view(torch.uint8).clone()))
+                sec = graph_timed(run)  # the pair's replays rotate q and k again: other values, same work
+                FIG[f"decode_kv_{b}_{kv_dtype}_{fused}"] = sec
+                log(
+                    f"  decode attention b={b} {str(kv_dtype).split('.')[-1]} splits {splits} "
+                    f"{'one launch' if fused else 'rotary_write_kv + attention'}: {sec * 1e6:.1f} us"
+                )
+            (out_a, kv_a), (out_b, kv_b) = results
+            same = torch.equal(out_a, out_b) and torch.equal(kv_a, kv_b)
+            log(f"  decode attention b={b} {str(kv_dtype).split('.')[-1]}: fused equal to the pair bit for bit: {same}")
+            FIG[f"decode_kv_{b}_{kv_dtype}_equal"] = same
+            torch.cuda.empty_cache()
 
 
 def micro_prefill(llm: LLM) -> None:
@@ -199,7 +257,7 @@ def micro_shape(llm: LLM, n: int, length: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip", default="")
-    parser.add_argument("--variants", default="new,old,-fresh,-rotary+kv")
+    parser.add_argument("--variants", default="new,-decode-kv,new,-decode-kv")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument(
         "--tunable",
@@ -225,6 +283,13 @@ def main() -> None:
         bench_prefill(llm, 4, 2048, rounds=1)  # tunes the prefill steps' shapes too
         bench_prefill(llm, 1, 8191, rounds=1)
         torch.cuda.tunable.tuning_enable(False)  # tuned shapes keep their choice; others the default
+    if "decode-kv" not in skip:
+        try:
+            micro_decode_kv(llm)
+        except Exception:  # noqa: BLE001 - the engine's variants still run; the failure is logged
+            import traceback
+
+            log(traceback.format_exc())
     if "micro" not in skip:
         micro_prefill(llm)
     names = {
@@ -232,19 +297,23 @@ def main() -> None:
         "recaptured": set(),  # "new" with its graphs captured again (after the engine has run)
         "-rotary+kv": {"rotary+kv"},
         "-fresh": {"fresh"},
-        "old": {"rotary+kv", "fresh"},
+        "-decode-kv": {"decode-kv"},
+        "old": {"rotary+kv", "fresh", "decode-kv"},
     }
     reference = None
-    for name in args.variants.split(","):
+    labels = []  # a variant named again (to alternate) gets its turn's number
+    for i, name in enumerate(args.variants.split(",")):
+        label = name if name not in labels else f"{name}#{i}"
+        labels.append(label)
         with variant(names[name]):
-            if name != "new":
+            if i > 0:  # the graphs of the previous variant
                 recapture(llm)
-            tokens = measure(llm, name, reference)
+            tokens = measure(llm, label, reference)
             reference = reference or tokens
     log("\nvariant | graph ms B=64 | graph ms B=256")
     for r in ROWS:
         log(" | ".join(r))
-    for name in args.variants.split(","):
+    for name in labels:
         f = FIG[name]
         log(
             f"{name:12s} decode64 {f['decode_64']['tok_s']:7.0f} tok/s ({f['decode_64']['tok_s'] / f['decode_64']['floor_tok_s']:.1%}) "

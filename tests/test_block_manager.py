@@ -157,3 +157,17 @@ def test_num_blocks_needed_counts_revived_blocks(bm):
     hits = bm.lookup_prefix(later)
     # 2 revived from the free pool + 1 new block for tokens 9-10
     assert bm.num_blocks_needed(later, hits, later.num_tokens) == 3
+
+
+def test_block_hashes_chain_block_by_block_when_extended_in_steps(bm):
+    """A sequence's block hashes, however many calls extend them, are the chain of
+    ``chain_hash`` over its full blocks (the hash the KV store and the router compute)."""
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]  # 3 full blocks and 2 tokens
+    seq = seq_of(tokens)
+    bm._extend_hashes(seq, 5)  # one block
+    bm._extend_hashes(seq, 14)  # then the next two at once
+    expected, parent = [], ROOT_HASH
+    for i in range(3):
+        parent = chain_hash(parent, tokens[i * BS : (i + 1) * BS])
+        expected.append(parent)
+    assert seq.block_hashes == expected

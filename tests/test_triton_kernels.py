@@ -186,6 +186,50 @@ def test_decode_attention(num_splits, num_heads):
         assert rel_err(out[i : i + 1], ref) < 1e-5, (i, ctx)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_attention_with_rotary_is_rotary_write_then_decode(num_splits, kv_dtype):
+    """A decode step through the one fused launch (q and the new K unrotated, the new K/V not
+    yet in the cache) gives the output and the cache of ``rotary_write_kv`` then
+    ``decode_attention`` bit for bit, padding row included, and leaves q and k as they came."""
+    heads = 2 * KV_HEADS
+    context_lens = [1, 13, 37, 0, 70]  # 0: a CUDA-graph padding row (slot -1)
+    b = len(context_lens)
+    tables = scrambled_tables(context_lens, seed=4)
+    slots = torch.tensor(
+        [
+            t[(c - 1) // BLOCK_SIZE] * BLOCK_SIZE + (c - 1) % BLOCK_SIZE if c else -1
+            for t, c in zip(tables, context_lens)
+        ]
+    )
+    qkv = torch.randn(b, (heads + 2 * KV_HEADS) * HEAD_DIM).half()
+    cos, sin = RotaryEmbedding(HEAD_DIM, 10000.0, {}).cos_sin(
+        torch.tensor([max(c - 1, 0) for c in context_lens]), torch.float16
+    )
+    kv0 = make_cache(torch.float16)[0].to(kv_dtype)
+    outs = []
+    for fused in (False, True):
+        x = qkv.clone()
+        q = x[:, : heads * HEAD_DIM].view(b, heads, HEAD_DIM)
+        k = x[:, heads * HEAD_DIM : (heads + KV_HEADS) * HEAD_DIM].view(b, KV_HEADS, HEAD_DIM)
+        v = x[:, (heads + KV_HEADS) * HEAD_DIM :].view(b, KV_HEADS, HEAD_DIM)
+        kv = kv0.clone()
+        layer = kv[:, 1]
+        args = (layer, padded_tables(tables), torch.tensor(context_lens), HEAD_DIM**-0.5, num_splits)
+        scales = {"k_scale": 0.5, "v_scale": 2.0}
+        if fused:
+            out = tp.decode_attention(q, *args, **scales, rotary=tp.DecodeRotary(k, v, cos, sin, slots))
+            assert torch.equal(x, qkv)  # q and k as they came
+        else:
+            tp.rotary_write_kv(q, k, v, cos, sin, layer, slots, **scales)
+            out = tp.decode_attention(q, *args, **scales)
+        outs.append((out, kv.view(torch.uint8)))
+    (out_ref, kv_ref), (out_fused, kv_fused) = outs
+    assert not torch.equal(kv_ref, kv0.view(torch.uint8))  # the new K/V were written
+    assert torch.equal(kv_fused, kv_ref)
+    assert torch.equal(out_fused, out_ref)
+
+
 def test_decode_num_splits_depends_on_batch_not_context():
     assert tp.decode_num_splits(1, 8, None) > tp.decode_num_splits(64, 8, None) >= 1
     assert tp.decode_num_splits(1, 8, 100) == 1  # a short context is not split

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from array import array
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -336,13 +337,19 @@ class LLMEngine:
         return prompt, self._check_token_ids(self.tokenizer(prompt).input_ids)
 
     def _check_token_ids(self, token_ids) -> list[int]:
-        token_ids = list(token_ids)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
         vocab = self.spec.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return token_ids
+        message = f"prompt token ids must be integers in [0, {vocab})"
+        if isinstance(token_ids, (str, bytes, dict)):
+            raise ValueError(message)
+        try:  # a C loop: 64-bit integers only (a float, string or None raises), then the range
+            ids = array("q", token_ids)
+        except (TypeError, OverflowError, ValueError) as e:
+            raise ValueError(message) from e
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(message)
+        return ids.tolist()
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

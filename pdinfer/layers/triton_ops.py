@@ -94,6 +94,16 @@ if HAS_TRITON:
         return (a1 - b1).to(dtype), (a2 + b2).to(dtype)
 
     @triton.jit
+    def rotate_full(x, partner, c, s, first):
+        """``rotate_halves`` on whole heads: ``partner`` is x with its halves swapped, ``c``/``s``
+        the half-width cos/sin repeated over both halves, ``first`` where the first half is;
+        each element's value is ``rotate_halves``'s bit for bit."""
+        dtype = x.dtype
+        a = (x.to(tl.float32) * c).to(dtype).to(tl.float32)
+        b = (partner.to(tl.float32) * s).to(dtype).to(tl.float32)
+        return tl.where(first, a - b, a + b).to(dtype)
+
+    @triton.jit
     def _rotary_qk_kernel(
         q_ptr,
         k_ptr,

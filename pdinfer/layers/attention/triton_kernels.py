@@ -31,6 +31,8 @@ from __future__ import annotations
 from pdinfer.layers.triton_ops import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
+    from pdinfer.layers.attention.triton_kv_write import cache_value
+    from pdinfer.layers.triton_ops import rotate_full
 
     @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes every step
     def decode_kernel(
@@ -62,6 +64,19 @@ if HAS_TRITON:
         PRECISION: tl.constexpr,
         KV_FP8: tl.constexpr = False,
         SPLIT_TOKENS: tl.constexpr = 0,
+        ROTARY: tl.constexpr = False,
+        k_ptr=None,
+        v_ptr=None,
+        cos_ptr=None,
+        sin_ptr=None,
+        slot_ptr=None,
+        stride_kt=0,
+        stride_kh=0,
+        stride_vt=0,
+        stride_vh=0,
+        stride_cos=0,
+        k_scale_inv=1.0,
+        v_scale_inv=1.0,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -82,11 +97,31 @@ if HAS_TRITON:
         gmask = g < GROUP
         dmask = d < HEAD_DIM
         b64 = b.to(tl.int64)
-        q = tl.load(
-            q_ptr + b64 * stride_qt + heads[:, None] * stride_qh + d[None, :],
-            mask=gmask[:, None] & dmask[None, :],
-            other=0.0,
-        )
+        q_rows = q_ptr + b64 * stride_qt + heads[:, None] * stride_qh
+        qmask = gmask[:, None] & dmask[None, :]
+        q = tl.load(q_rows + d[None, :], mask=qmask, other=0.0)
+        if ROTARY:  # q and the new K arrive unrotated: rotate them here (see decode_attention)
+            half = HEAD_DIM // 2
+            first = d < half
+            partner = tl.where(first, d + half, d - half)
+            rot_cos = tl.load(cos_ptr + b64 * stride_cos + d % half, mask=dmask, other=0.0).to(tl.float32)
+            rot_sin = tl.load(sin_ptr + b64 * stride_cos + d % half, mask=dmask, other=0.0).to(tl.float32)
+            q_partner = tl.load(q_rows + partner[None, :], mask=qmask, other=0.0)
+            q = rotate_full(q, q_partner, rot_cos[None, :], rot_sin[None, :], first[None, :])
+            last = ctx - 1  # the new token's position: the split that reads it writes it first
+            if (start <= last) & (last < end):
+                slot = tl.load(slot_ptr + b).to(tl.int64)
+                if slot >= 0:
+                    k_row = k_ptr + b64 * stride_kt + kvh * stride_kh
+                    k_new = tl.load(k_row + d, mask=dmask)
+                    k_new = rotate_full(k_new, tl.load(k_row + partner, mask=dmask), rot_cos, rot_sin, first)
+                    v_new = tl.load(v_ptr + b64 * stride_vt + kvh * stride_vh + d, mask=dmask)
+                    dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+                    dst = dst + kvh * stride_ch + d
+                    ty = cache_ptr.dtype.element_ty
+                    tl.store(dst, cache_value(k_new, k_scale_inv, ty, KV_FP8), mask=dmask)
+                    tl.store(dst + stride_ckv, cache_value(v_new, v_scale_inv, ty, KV_FP8), mask=dmask)
+            tl.debug_barrier()  # the stores above are visible to this program's loads below
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)

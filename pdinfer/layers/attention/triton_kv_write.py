@@ -22,7 +22,7 @@ if HAS_TRITON:
     from pdinfer.layers.triton_ops import rotate_halves
 
     @triton.jit
-    def _cache_value(x, scale_inv, ty, KV_FP8: tl.constexpr):
+    def cache_value(x, scale_inv, ty, KV_FP8: tl.constexpr):
         """``x`` as the cache stores it: an FP8 cache's divided by the scale and clamped to
         e4m3's range (it has no infinity) before the cast rounds it."""
         if KV_FP8:
@@ -65,8 +65,8 @@ if HAS_TRITON:
             k = tl.load(k_ptr + t64 * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask)
             v = tl.load(v_ptr + t64 * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask)
             ty = cache_ptr.dtype.element_ty
-            tl.store(dst, _cache_value(k, k_scale_inv, ty, KV_FP8), mask=mask)
-            tl.store(dst + stride_ckv, _cache_value(v, v_scale_inv, ty, KV_FP8), mask=mask)
+            tl.store(dst, cache_value(k, k_scale_inv, ty, KV_FP8), mask=mask)
+            tl.store(dst + stride_ckv, cache_value(v, v_scale_inv, ty, KV_FP8), mask=mask)
 
     @triton.jit
     def rotary_write_kv_kernel(
@@ -127,11 +127,11 @@ if HAS_TRITON:
                 dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
                 dst = dst + heads[:, None] * stride_ch + d[None, :]
                 ty = cache_ptr.dtype.element_ty
-                tl.store(dst, _cache_value(k1, k_scale_inv, ty, KV_FP8), mask=mask)
-                tl.store(dst + HALF, _cache_value(k2, k_scale_inv, ty, KV_FP8), mask=mask)
+                tl.store(dst, cache_value(k1, k_scale_inv, ty, KV_FP8), mask=mask)
+                tl.store(dst + HALF, cache_value(k2, k_scale_inv, ty, KV_FP8), mask=mask)
                 v1, v2 = tl.load(vp, mask=mask), tl.load(vp + HALF, mask=mask)
-                tl.store(dst + stride_ckv, _cache_value(v1, v_scale_inv, ty, KV_FP8), mask=mask)
-                tl.store(dst + stride_ckv + HALF, _cache_value(v2, v_scale_inv, ty, KV_FP8), mask=mask)
+                tl.store(dst + stride_ckv, cache_value(v1, v_scale_inv, ty, KV_FP8), mask=mask)
+                tl.store(dst + stride_ckv + HALF, cache_value(v2, v_scale_inv, ty, KV_FP8), mask=mask)
 
 
 def is_fp8(layer_cache: torch.Tensor) -> bool:
@@ -174,6 +174,13 @@ def write_kv(
     )
 
 
+def check_rotary_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor) -> None:
+    """The kernels that rotate q and k take a full-width rotary and unit stride in the head dim."""
+    dim = q.shape[-1]
+    if cos.shape[-1] != dim or dim % 2 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("the fused rotary kernels need a full-width rotary and unit stride in the head dim")
+
+
 def rotary_write_kv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -193,8 +200,7 @@ def rotary_write_kv(
     kvh = k.shape[1]
     if t == 0:
         return
-    if cos.shape[-1] != dim or dim % 2 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("rotary_write_kv needs a full-width rotary and unit stride in the head dim")
+    check_rotary_shapes(q, k, v, cos)
     c = layer_cache
     half = dim // 2
     rotary_write_kv_kernel[(t, 2)](

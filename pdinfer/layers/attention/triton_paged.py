@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from pdinfer.layers.attention import triton_kernels as kernels
-from pdinfer.layers.attention.triton_kv_write import is_fp8, rotary_write_kv, write_kv
+from pdinfer.layers.attention.triton_kv_write import check_rotary_shapes, is_fp8, rotary_write_kv, write_kv
 from pdinfer.layers.attention.triton_prefill import fresh_prefill_attention, fresh_prefill_supported
 from pdinfer.layers.triton_ops import HAS_TRITON, next_pow2
 
@@ -124,11 +124,16 @@ def decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     batch_invariant: bool = False,
+    rotary: DecodeRotary | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one query per sequence) -> out [B, H, D]; ``k_scale``/``v_scale``: an FP8
     cache's dequantization scales. ``batch_invariant``: each row's splits from its context alone;
     ``num_splits`` is then the grid's split dimension, at least ``batch_invariant_splits`` of the
-    longest context."""
+    longest context. ``rotary``: q and the step's new K come unrotated and the new K/V are not in
+    the cache yet; the kernel rotates q in registers (q is left as it is), and the program whose
+    split holds a row's last position rotates that token's K and stores it with its V into its
+    slot before reading the tiles: ``rotary_write_kv`` and the attention in one launch, the same
+    values (one kernel fewer a layer in every decode step)."""
     b, h, dim = q.shape
     c = layer_cache
     kvh = c.shape[3]
@@ -174,9 +179,40 @@ def decode_attention(
         SPLIT_TOKENS=split_tokens,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **({} if rotary is None else rotary.kernel_args(k_scale, v_scale)),
     )
     merge_splits(part_acc, part_ml, out, splits, d_pad, context_lens if batch_invariant else None)
     return out
+
+
+@dataclass
+class DecodeRotary:
+    """What ``decode_attention`` needs to rotate q and write the new K/V itself: the step's
+    unrotated k and v [B, KVH, D], the full-width cos/sin [B, D] of its positions and its slots."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    def kernel_args(self, k_scale: float, v_scale: float) -> dict:
+        k, v = self.k, self.v
+        return {
+            "ROTARY": True,
+            "k_ptr": k,
+            "v_ptr": v,
+            "cos_ptr": self.cos,
+            "sin_ptr": self.sin,
+            "slot_ptr": self.slot_mapping,
+            "stride_kt": k.stride(0),
+            "stride_kh": k.stride(1),
+            "stride_vt": v.stride(0),
+            "stride_vh": v.stride(1),
+            "stride_cos": self.cos.stride(0),
+            "k_scale_inv": 1.0 / k_scale,
+            "v_scale_inv": 1.0 / v_scale,
+        }
 
 
 def split_buffers(out: torch.Tensor, num_splits: int, d_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,6 +330,9 @@ class TritonPagedAttention:
 
     # ``forward`` takes ``rotary``: the rotary embedding goes into the KV write's kernel
     fuses_rotary = True
+    # and at decode the KV write with it into the attention kernel (benchmarks/gpu_floor.py
+    # switches it off to time the difference)
+    decode_writes_kv = True
 
     def forward(
         self,
@@ -306,13 +345,29 @@ class TritonPagedAttention:
     ) -> torch.Tensor:
         """``rotary``: (cos, sin) of a full-width rotary embedding that q and k still need
         (rotated in place with the KV write); None: q and k come rotated."""
-        # New K/V first, so queries read their own chunk (and same-step prefix hits) from the cache.
         ks, vs = self.k_scale, self.v_scale
+        out = torch.empty((q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
+        if meta.is_decode and rotary is not None and self.decode_writes_kv:  # all in one launch
+            check_rotary_shapes(q, k, v, rotary[0])
+            fused = DecodeRotary(k, v, rotary[0], rotary[1], meta.slot_mapping)
+            return decode_attention(
+                q,
+                layer_cache,
+                meta.block_tables,
+                meta.context_lens,
+                self.scale,
+                meta.num_splits,
+                out,
+                ks,
+                vs,
+                meta.batch_invariant,
+                fused,
+            )
+        # New K/V first, so queries read their own chunk (and same-step prefix hits) from the cache.
         if rotary is not None:
             rotary_write_kv(q, k, v, rotary[0], rotary[1], layer_cache, meta.slot_mapping, ks, vs)
         else:
             write_kv(k, v, layer_cache, meta.slot_mapping, ks, vs)
-        out = torch.empty((q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         if meta.is_decode:
             return decode_attention(
                 q,
