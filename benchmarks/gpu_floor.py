@@ -100,8 +100,10 @@ def measure(llm: LLM, name: str, reference_tokens) -> list[list[int]]:
 
 def micro_decode_kv(llm: LLM) -> None:
     """The decode attention that rotates q and writes the new K/V itself, against
-    ``rotary_write_kv`` then the attention: the same output and cache bit for bit (bf16 and FP8
-    caches; the interpreter's tests cannot check bf16), and each timed alone from a CUDA graph."""
+    ``rotary_write_kv`` then the attention, each timed alone from a CUDA graph: the rotated K in
+    the cache against HF's bf16 rotary in torch (the interpreter's tests cannot check bf16), and
+    whether the two outputs are equal bit for bit (they may differ in rounding: the one launch is
+    compiled without FMA contraction, ``triton_ops.ROUNDED_PRODUCTS``)."""
     from pdinfer.layers.rotary import RotaryEmbedding
 
     runner = llm.engine.model_runner
@@ -115,7 +117,7 @@ def micro_decode_kv(llm: LLM) -> None:
         tables = torch.randperm(b * per_seq, device="cuda", generator=g).view(b, per_seq)
         pos = ctx - 1
         slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
-        cos, sin = RotaryEmbedding(dim, 500000.0, {}).cos_sin(pos, runner.dtype)
+        cos, sin = (x.cuda() for x in RotaryEmbedding(dim, 500000.0, {}).cos_sin(pos.cpu(), runner.dtype))
         qkv0 = torch.randn(b, (h + 2 * kvh) * dim, device="cuda", dtype=runner.dtype, generator=g)
         splits = tp.decode_num_splits(b, kvh, None)
         for kv_dtype in (runner.dtype, torch.float8_e4m3fn):
@@ -139,6 +141,7 @@ def micro_decode_kv(llm: LLM) -> None:
 
                 out = run()
                 results.append((out.clone(), kv.view(torch.uint8).clone()))
+                torch.cuda.synchronize()  # the timing replays on its own stream, and the pair rotates in place
                 sec = graph_timed(run)  # the pair's replays rotate q and k again: other values, same work
                 FIG[f"decode_kv_{b}_{kv_dtype}_{fused}"] = sec
                 log(
@@ -149,6 +152,15 @@ def micro_decode_kv(llm: LLM) -> None:
             same = torch.equal(out_a, out_b) and torch.equal(kv_a, kv_b)
             log(f"  decode attention b={b} {str(kv_dtype).split('.')[-1]}: fused equal to the pair bit for bit: {same}")
             FIG[f"decode_kv_{b}_{kv_dtype}_equal"] = same
+            if kv_dtype == runner.dtype:  # the rotated K in the cache against HF's bf16 rotary in torch
+                k_in = qkv0[:, h * dim : (h + kvh) * dim].view(b, kvh, dim)
+                half = dim // 2
+                ref = k_in * cos[:, None] + torch.cat((-k_in[..., half:], k_in[..., :half]), -1) * sin[:, None]
+                for label, kv_out in (("rotary_write_kv", kv_a), ("one launch", kv_b)):
+                    cached = kv_out.view(runner.dtype)[slots // bs, 0, 0, slots % bs]
+                    wrong = (cached != ref).sum().item()
+                    log(f"  decode b={b} {label}: rotated K elements unlike torch's: {wrong} of {ref.numel()}")
+                    FIG[f"decode_kv_{b}_{label}_rotary_wrong"] = wrong
             torch.cuda.empty_cache()
 
 

@@ -191,7 +191,9 @@ def test_decode_attention(num_splits, num_heads):
 def test_decode_attention_with_rotary_is_rotary_write_then_decode(num_splits, kv_dtype):
     """A decode step through the one fused launch (q and the new K unrotated, the new K/V not
     yet in the cache) gives the output and the cache of ``rotary_write_kv`` then
-    ``decode_attention`` bit for bit, padding row included, and leaves q and k as they came."""
+    ``decode_attention`` bit for bit, padding row included, and leaves q and k as they came
+    (the interpreter never contracts a multiply and an add; on a GPU the outputs may differ in
+    rounding, and benchmarks/gpu_floor.py checks the cache against torch there)."""
     heads = 2 * KV_HEADS
     context_lens = [1, 13, 37, 0, 70]  # 0: a CUDA-graph padding row (slot -1)
     b = len(context_lens)

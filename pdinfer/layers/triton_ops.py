@@ -27,6 +27,14 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# Launch option of the kernels that rotate (``rotate_halves``, ``rotate_full``): no contraction
+# of a multiply and an add into one FMA. HF's bf16 rotary rounds each product to bf16 before the
+# sum; with contraction allowed, the compiler turns round(x * cos) - round(y * sin) into one bf16
+# FMA that skips the first rounding, and 17 % of an 8B model's rotated K differed from
+# transformers' by one bf16 step on an H100 (2026-12-06; the interpreter, which the CPU tests run,
+# never contracts). benchmarks/gpu_floor.py checks the kernels against torch on the device.
+ROUNDED_PRODUCTS = {"enable_fp_fusion": False}
+
 if HAS_TRITON:
 
     @triton.jit
@@ -82,7 +90,8 @@ if HAS_TRITON:
 
     @triton.jit
     def rotate_halves(x1, x2, c, s):
-        """The two halves of a head rotated: x * cos + rotate_half(x) * sin, in x's dtype."""
+        """The two halves of a head rotated: x * cos + rotate_half(x) * sin, in x's dtype.
+        Kernels that call it launch with ``ROUNDED_PRODUCTS`` (see there)."""
         dtype = x1.dtype
         x1 = x1.to(tl.float32)
         x2 = x2.to(tl.float32)
@@ -97,7 +106,7 @@ if HAS_TRITON:
     def rotate_full(x, partner, c, s, first):
         """``rotate_halves`` on whole heads: ``partner`` is x with its halves swapped, ``c``/``s``
         the half-width cos/sin repeated over both halves, ``first`` where the first half is;
-        each element's value is ``rotate_halves``'s bit for bit."""
+        each element's value is ``rotate_halves``'s bit for bit (with ``ROUNDED_PRODUCTS``)."""
         dtype = x.dtype
         a = (x.to(tl.float32) * c).to(dtype).to(tl.float32)
         b = (partner.to(tl.float32) * s).to(dtype).to(tl.float32)
@@ -215,6 +224,7 @@ def rotary_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         HALF_PAD=next_pow2(half),
         HEADS_PAD=heads_pad,
         num_warps=4,
+        **ROUNDED_PRODUCTS,
     )
     return q, k
 

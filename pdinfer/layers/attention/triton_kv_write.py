@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pdinfer.layers.triton_ops import HAS_TRITON, next_pow2, tl, triton
+from pdinfer.layers.triton_ops import HAS_TRITON, ROUNDED_PRODUCTS, next_pow2, tl, triton
 
 if HAS_TRITON:
     from pdinfer.layers.triton_ops import rotate_halves
@@ -230,4 +230,5 @@ def rotary_write_kv(
         BLOCK_SIZE=c.shape[2],
         KV_FP8=is_fp8(c),
         num_warps=4,
+        **ROUNDED_PRODUCTS,
     )

@@ -50,7 +50,7 @@ import torch
 from pdinfer.layers.attention import triton_kernels as kernels
 from pdinfer.layers.attention.triton_kv_write import check_rotary_shapes, is_fp8, rotary_write_kv, write_kv
 from pdinfer.layers.attention.triton_prefill import fresh_prefill_attention, fresh_prefill_supported
-from pdinfer.layers.triton_ops import HAS_TRITON, next_pow2
+from pdinfer.layers.triton_ops import HAS_TRITON, ROUNDED_PRODUCTS, next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -132,8 +132,10 @@ def decode_attention(
     longest context. ``rotary``: q and the step's new K come unrotated and the new K/V are not in
     the cache yet; the kernel rotates q in registers (q is left as it is), and the program whose
     split holds a row's last position rotates that token's K and stores it with its V into its
-    slot before reading the tiles: ``rotary_write_kv`` and the attention in one launch, the same
-    values (one kernel fewer a layer in every decode step)."""
+    slot before reading the tiles: ``rotary_write_kv`` and the attention in one launch (one kernel
+    fewer a layer in every decode step), the same cache and rotated q bit for bit. The launch is
+    compiled without FMA contraction (``ROUNDED_PRODUCTS``), so on a GPU its softmax may round
+    differently from the plain decode launch's; the interpreter's tests find them equal."""
     b, h, dim = q.shape
     c = layer_cache
     kvh = c.shape[3]
@@ -179,7 +181,7 @@ def decode_attention(
         SPLIT_TOKENS=split_tokens,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        **({} if rotary is None else rotary.kernel_args(k_scale, v_scale)),
+        **({} if rotary is None else {**ROUNDED_PRODUCTS, **rotary.kernel_args(k_scale, v_scale)}),
     )
     merge_splits(part_acc, part_ml, out, splits, d_pad, context_lens if batch_invariant else None)
     return out
