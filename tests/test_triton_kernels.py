@@ -190,10 +190,9 @@ def test_decode_attention(num_splits, num_heads):
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_attention_with_rotary_is_rotary_write_then_decode(num_splits, kv_dtype):
     """A decode step through the one fused launch (q and the new K unrotated, the new K/V not
-    yet in the cache) gives the output and the cache of ``rotary_write_kv`` then
-    ``decode_attention`` bit for bit, padding row included, and leaves q and k as they came
-    (the interpreter never contracts a multiply and an add; on a GPU the outputs may differ in
-    rounding, and benchmarks/gpu_floor.py checks the cache against torch there)."""
+    yet in the cache) leaves the cache of ``rotary_write_kv`` then ``decode_attention`` bit for
+    bit, padding row included, gives their output (the new token's score is summed in another
+    order: equal to rounding), and leaves q and k as they came."""
     heads = 2 * KV_HEADS
     context_lens = [1, 13, 37, 0, 70]  # 0: a CUDA-graph padding row (slot -1)
     b = len(context_lens)
@@ -229,7 +228,8 @@ def test_decode_attention_with_rotary_is_rotary_write_then_decode(num_splits, kv
     (out_ref, kv_ref), (out_fused, kv_fused) = outs
     assert not torch.equal(kv_ref, kv0.view(torch.uint8))  # the new K/V were written
     assert torch.equal(kv_fused, kv_ref)
-    assert torch.equal(out_fused, out_ref)
+    assert torch.all(out_fused[3] == 0)  # the padding row
+    assert rel_err(out_fused, out_ref) < 2e-3
 
 
 def test_decode_num_splits_depends_on_batch_not_context():

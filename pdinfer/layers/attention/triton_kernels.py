@@ -100,6 +100,7 @@ if HAS_TRITON:
         q_rows = q_ptr + b64 * stride_qt + heads[:, None] * stride_qh
         qmask = gmask[:, None] & dmask[None, :]
         q = tl.load(q_rows + d[None, :], mask=qmask, other=0.0)
+        loop_end = end
         if ROTARY:  # q and the new K arrive unrotated: rotate them here (see decode_attention)
             half = HEAD_DIM // 2
             first = d < half
@@ -108,27 +109,33 @@ if HAS_TRITON:
             rot_sin = tl.load(sin_ptr + b64 * stride_cos + d % half, mask=dmask, other=0.0).to(tl.float32)
             q_partner = tl.load(q_rows + partner[None, :], mask=qmask, other=0.0)
             q = rotate_full(q, q_partner, rot_cos[None, :], rot_sin[None, :], first[None, :])
-            last = ctx - 1  # the new token's position: the split that reads it writes it first
-            if (start <= last) & (last < end):
-                slot = tl.load(slot_ptr + b).to(tl.int64)
-                if slot >= 0:
-                    k_row = k_ptr + b64 * stride_kt + kvh * stride_kh
-                    k_new = tl.load(k_row + d, mask=dmask)
-                    k_new = rotate_full(k_new, tl.load(k_row + partner, mask=dmask), rot_cos, rot_sin, first)
-                    v_new = tl.load(v_ptr + b64 * stride_vt + kvh * stride_vh + d, mask=dmask)
-                    dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
-                    dst = dst + kvh * stride_ch + d
-                    ty = cache_ptr.dtype.element_ty
-                    tl.store(dst, cache_value(k_new, k_scale_inv, ty, KV_FP8), mask=dmask)
-                    tl.store(dst + stride_ckv, cache_value(v_new, v_scale_inv, ty, KV_FP8), mask=dmask)
-            tl.debug_barrier()  # the stores above are visible to this program's loads below
+            # The new token (position ctx - 1) belongs to one split: that program stores its K/V
+            # into the slot and attends to it from registers, so no program reads it from the
+            # cache in this launch (no store-then-load within the launch).
+            last = ctx - 1
+            owner = (start <= last) & (last < end)
+            new_mask = d < tl.where(owner, HEAD_DIM, 0)  # the new token's elements, on its split only
+            k_row = k_ptr + b64 * stride_kt + kvh * stride_kh
+            k_new = tl.load(k_row + d, mask=new_mask, other=0.0)
+            k_new = rotate_full(k_new, tl.load(k_row + partner, mask=new_mask, other=0.0), rot_cos, rot_sin, first)
+            ty = cache_ptr.dtype.element_ty
+            k_new = cache_value(k_new, k_scale_inv, ty, KV_FP8)  # as the cache holds it
+            v_new = cache_value(
+                tl.load(v_ptr + b64 * stride_vt + kvh * stride_vh + d, mask=new_mask), v_scale_inv, ty, KV_FP8
+            )
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kvh * stride_ch + d
+            store_mask = d < tl.where(owner & (slot >= 0), HEAD_DIM, 0)  # slot -1: a graph's padding row
+            tl.store(dst, k_new, mask=store_mask)
+            tl.store(dst + stride_ckv, v_new, mask=store_mask)
+            loop_end = tl.where(owner, last, end)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
         k_base = cache_ptr + kvh * stride_ch
-        for n0 in range(start, end, BLOCK_N):
+        for n0 in range(start, loop_end, BLOCK_N):
             pos = n0 + n
-            pmask = pos < end
+            pmask = pos < loop_end
             blk = tl.load(bt_ptr + b64 * stride_bt + pos // BLOCK_SIZE, mask=pmask, other=0)
             off = blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct
             kv_mask = pmask[:, None] & dmask[None, :]
@@ -145,6 +152,18 @@ if HAS_TRITON:
             if KV_FP8:
                 v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        if ROTARY:  # the new token's key, one more step of the online softmax (none off its split)
+            k_c = k_new.to(q.dtype).to(tl.float32)
+            s_new = tl.sum(q.to(tl.float32) * k_c[None, :], axis=1) * qk_scale
+            s_new = tl.where(owner, s_new, float("-inf"))
+            m_new = tl.maximum(m_i, s_new)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row: no keys at all
+            alpha = tl.math.exp2(m_i - m_ref)
+            p_new = tl.math.exp2(s_new - m_ref)
+            l_i = l_i * alpha + p_new
+            v_c = v_new.to(q.dtype).to(tl.float32)
+            acc = acc * alpha[:, None] + p_new.to(q.dtype).to(tl.float32)[:, None] * v_c[None, :]
             m_i = m_new
         if KV_FP8:  # the merge of splits is linear in acc: scaling the partials is enough
             acc = acc * v_scale
