@@ -102,12 +102,12 @@ class GpuRunner(RunnerBase):
 
     def init_cache(self, num_blocks: int, block_size: int) -> CacheEngine:
         cache = super().init_cache(num_blocks, block_size)
-        self.builder = self._input_builder(block_size)
-        self._compile_prefix_prefill(block_size)
+        self.builder = builder = self._input_builder(block_size)
+        self._compile_prefix_prefill(builder, block_size)
         return cache
 
     @torch.inference_mode()
-    def _compile_prefix_prefill(self, block_size: int) -> None:
+    def _compile_prefix_prefill(self, builder: GpuInputBuilder, block_size: int) -> None:
         """One block of a prompt after a cached block, on a scratch cache: Triton compiles the
         prefill attention of chunks over a cached prefix (prefix hits, chunked prompts, prefills
         beside decodes) here, at start-up. The KV profile's step is a fresh prompt, which takes
@@ -115,7 +115,7 @@ class GpuRunner(RunnerBase):
         the middle of serving, a stall of a second or more (the offline run of
         serve_vs_offline.py at 64 streams: 3,775 tok/s, TTFT p50 0.59 s, on an H100)."""
         scratch = CacheEngine(self.spec, 2, block_size, self.kv_dtype, self.device)
-        step = self.builder.build(
+        step = builder.build(
             StepInput(
                 step_id=-1,
                 is_prompt=True,
