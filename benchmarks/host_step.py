@@ -1,6 +1,12 @@
 """The host's work in a decode step, with a device that takes no time (CPU only).
 
     python benchmarks/host_step.py [--batch 256] [--prompt-len 576] [--skip-tokens 1500] [--steps 60]
+    python benchmarks/host_step.py --prefill 4x2048
+
+``--prefill NxL`` instead times what the host does for a prefill step of N fresh prompts of L
+tokens (gpu_speed.bench_prefill's workload): adding the requests (their token check) and the
+steps until they end (prefix lookup with its block hashes, scheduling, the step's input, output
+processing), median of 10 rounds.
 
 A tiny random Llama (one layer of width 64, the 8B model's vocabulary) runs ``--batch``
 sequences; once every prompt is prefilled and ``--skip-tokens`` decode steps have run, the
@@ -76,6 +82,31 @@ def timed_steps(engine, steps: int, loop_settings: bool, finished_only: bool) ->
         heap.LOOP_GC_THRESHOLD = saved
 
 
+def prefill_host(llm, n: int, length: int, rounds: int = 10) -> None:
+    engine = llm.engine
+    engine.model_runner.execute = lambda inp: StepResult(step_id=inp.step_id, token_ids=[5] * len(inp.samples))
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    adds, steps = [], []
+    for r in range(rounds + 3):  # three warm-up rounds
+        prompts = [torch.randint(2, 128000, (length,), generator=g).tolist() for _ in range(n)]
+        with heap.startup_objects_frozen():
+            start = time.perf_counter()
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"prefill-{r}-{i}", {"prompt_token_ids": prompt}, params)
+            added = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            done = time.perf_counter()
+        if r >= 3:
+            adds.append(added - start)
+            steps.append(done - added)
+    print(
+        f"prefill {n} x {length}: adding the requests {1e3 * statistics.median(adds):.2f} ms, "
+        f"the steps {1e3 * statistics.median(steps):.2f} ms (median of {rounds})"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=256)
@@ -83,9 +114,15 @@ def main() -> None:
     p.add_argument("--skip-tokens", type=int, default=1500)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prefill", default="", help="NxL: the host's work for a prefill of N prompts of L tokens")
     args = p.parse_args()
     folder = tempfile.mkdtemp(prefix="pdinfer-host-step-")
     Path(folder, "config.json").write_text(json.dumps(TINY))
+    if args.prefill:
+        n, length = (int(x) for x in args.prefill.split("x"))
+        llm = LLM(model=folder, load_format="dummy", max_model_len=8192, max_num_batched_tokens=n * length)
+        prefill_host(llm, n, length)
+        return
     llm = LLM(model=folder, load_format="dummy", max_model_len=8192, max_num_seqs=args.batch)
     engine = llm.engine
     runner = engine.model_runner
