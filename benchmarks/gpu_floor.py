@@ -58,6 +58,19 @@ def variant(off: set[str]):
         backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported = saved
 
 
+def compiled_kernels() -> dict[str, int]:
+    """How many compiled variants each attention kernel has (``GpuRunner._compile_prefix_prefill``
+    compiles the paged prefill one at start-up: it must not be 0 after the engine is built)."""
+    from pdinfer.layers.attention import triton_kernels
+
+    fns = {
+        "paged prefill": triton_kernels.prefill_kernel,
+        "fresh prefill": triton_prefill.fresh_prefill_kernel,
+        "decode": triton_kernels.decode_kernel,
+    }
+    return {name: sum(len(cache[0]) for cache in fn.device_caches.values()) for name, fn in fns.items()}
+
+
 def recapture(llm: LLM) -> None:
     runner = llm.engine.model_runner
     runner.graphs = None
@@ -291,6 +304,7 @@ def main() -> None:
     start = time.perf_counter()
     llm = llama_8b(args.gpu_memory_utilization)
     log(f"engine built in {time.perf_counter() - start:.1f} s (tunable: {args.tunable})")
+    log(f"attention kernels compiled at start-up: {compiled_kernels()}")
     if args.tunable:
         bench_prefill(llm, 4, 2048, rounds=1)  # tunes the prefill steps' shapes too
         bench_prefill(llm, 1, 8191, rounds=1)
