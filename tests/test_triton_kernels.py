@@ -50,6 +50,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def split_qkv(x: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v as views of one QKV projection's rows ``x`` [T, (heads + 2 * KV_HEADS) * HEAD_DIM]."""
+    t = x.shape[0]
+    q = x[:, : heads * HEAD_DIM].view(t, heads, HEAD_DIM)
+    k = x[:, heads * HEAD_DIM : (heads + KV_HEADS) * HEAD_DIM].view(t, KV_HEADS, HEAD_DIM)
+    v = x[:, (heads + KV_HEADS) * HEAD_DIM :].view(t, KV_HEADS, HEAD_DIM)
+    return q, k, v
+
+
 # --- fused elementwise ops ----------------------------------------------------------------------
 def test_rms_norm_matches_torch():
     x = torch.randn(7, 96)
@@ -154,9 +163,7 @@ def test_rotary_write_kv_is_rotary_then_write(kv_dtype):
     outs = []
     for fused in (False, True):
         x = qkv.clone()
-        q = x[:, : heads * HEAD_DIM].view(t, heads, HEAD_DIM)
-        k = x[:, heads * HEAD_DIM : (heads + KV_HEADS) * HEAD_DIM].view(t, KV_HEADS, HEAD_DIM)
-        v = x[:, (heads + KV_HEADS) * HEAD_DIM :].view(t, KV_HEADS, HEAD_DIM)
+        q, k, v = split_qkv(x, heads)
         kv = kv0.clone()
         layer = kv[:, 1]
         if fused:
@@ -211,9 +218,7 @@ def test_decode_attention_with_rotary_is_rotary_write_then_decode(num_splits, kv
     outs = []
     for fused in (False, True):
         x = qkv.clone()
-        q = x[:, : heads * HEAD_DIM].view(b, heads, HEAD_DIM)
-        k = x[:, heads * HEAD_DIM : (heads + KV_HEADS) * HEAD_DIM].view(b, KV_HEADS, HEAD_DIM)
-        v = x[:, (heads + KV_HEADS) * HEAD_DIM :].view(b, KV_HEADS, HEAD_DIM)
+        q, k, v = split_qkv(x, heads)
         kv = kv0.clone()
         layer = kv[:, 1]
         args = (layer, padded_tables(tables), torch.tensor(context_lens), HEAD_DIM**-0.5, num_splits)
@@ -284,9 +289,7 @@ def test_fresh_prefill_reads_qkv_rows(num_heads):
     work_tile = torch.tensor([i for n in tiles for i in range(n)])
     # float16: the interpreter emulates bfloat16 dots incorrectly; bf16 is checked on the GPU
     qkv = torch.randn(t, (num_heads + 2 * KV_HEADS) * HEAD_DIM).half()
-    q = qkv[:, : num_heads * HEAD_DIM].view(t, num_heads, HEAD_DIM)
-    k = qkv[:, num_heads * HEAD_DIM : (num_heads + KV_HEADS) * HEAD_DIM].view(t, KV_HEADS, HEAD_DIM)
-    v = qkv[:, (num_heads + KV_HEADS) * HEAD_DIM :].view(t, KV_HEADS, HEAD_DIM)
+    q, k, v = split_qkv(qkv, num_heads)
     assert triton_prefill.fresh_prefill_supported(q, k, v)
     out = torch.full((t, num_heads, HEAD_DIM), float("nan"), dtype=torch.float16)
     triton_prefill.fresh_prefill_attention(

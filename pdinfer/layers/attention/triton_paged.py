@@ -349,26 +349,14 @@ class TritonPagedAttention:
         (rotated in place with the KV write); None: q and k come rotated."""
         ks, vs = self.k_scale, self.v_scale
         out = torch.empty((q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
-        # rotary, KV write and attention in one launch; FP8 caches keep the pair (at batch 256 the
-        # one launch was 4 % slower on them, 1.5 % faster on bf16: docs/performance.md)
+        # At decode the attention kernel rotates and writes the new K/V itself (one launch); FP8
+        # caches keep the pair (at batch 256 the one launch was 4 % slower on them and 1.5 %
+        # faster on bf16: docs/performance.md).
+        fused = None
         if meta.is_decode and rotary is not None and self.decode_writes_kv and not is_fp8(layer_cache):
             check_rotary_shapes(q, k, v, rotary[0])
             fused = DecodeRotary(k, v, rotary[0], rotary[1], meta.slot_mapping)
-            return decode_attention(
-                q,
-                layer_cache,
-                meta.block_tables,
-                meta.context_lens,
-                self.scale,
-                meta.num_splits,
-                out,
-                ks,
-                vs,
-                meta.batch_invariant,
-                fused,
-            )
-        # New K/V first, so queries read their own chunk (and same-step prefix hits) from the cache.
-        if rotary is not None:
+        elif rotary is not None:  # new K/V first: queries read their chunk (and same-step prefix hits) from the cache
             rotary_write_kv(q, k, v, rotary[0], rotary[1], layer_cache, meta.slot_mapping, ks, vs)
         else:
             write_kv(k, v, layer_cache, meta.slot_mapping, ks, vs)
@@ -384,6 +372,7 @@ class TritonPagedAttention:
                 ks,
                 vs,
                 meta.batch_invariant,
+                fused,
             )
         qs, ws, wt = meta.query_start, meta.work_seq, meta.work_tile
         if meta.fresh and not meta.batch_invariant and not is_fp8(layer_cache) and fresh_prefill_supported(q, k, v):
