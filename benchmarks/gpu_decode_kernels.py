@@ -87,6 +87,12 @@ def attention_variants(batch: int, ctx: int = 640) -> None:
             log(f"  attention B={batch} {cfg}: FAIL {type(e).__name__}: {str(e)[:100]}")
         tp.DECODE_CONFIG.clear()
         tp.DECODE_CONFIG.update(saved)
+    # more splits: more, shorter programs (a smaller last wave) for the merge kernel's cost
+    for more in (2 * splits, 4 * splits):
+        t = graph_timed(lambda more=more: tp.decode_attention(q, layer, tables, lens, dim**-0.5, more))
+        log(
+            f"  attention B={batch} {more} splits (default {splits}): {t * 1e6:6.1f} us ({kv_bytes / t / 1e12:.2f} TB/s)"
+        )
 
 
 def main() -> None:
