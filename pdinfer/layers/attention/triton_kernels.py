@@ -34,6 +34,21 @@ if HAS_TRITON:
     from pdinfer.layers.attention.triton_kv_write import cache_value
     from pdinfer.layers.triton_ops import rotate_full
 
+    @triton.jit
+    def _attend_one_key(q, k, v, present, qk_scale, m_i, l_i, acc):
+        """One more step of the online softmax of ``q`` [G, D] for a single key ``k`` and value
+        ``v`` [D] (as the cache stores them), when ``present``; else (m_i, l_i, acc) unchanged."""
+        k = k.to(q.dtype).to(tl.float32)
+        s = tl.sum(q.to(tl.float32) * k[None, :], axis=1) * qk_scale
+        s = tl.where(present, s, float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row: no keys at all
+        alpha = tl.math.exp2(m_i - m_ref)
+        p = tl.math.exp2(s - m_ref)
+        v = v.to(q.dtype).to(tl.float32)
+        acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v[None, :]
+        return m_new, l_i * alpha + p, acc
+
     @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes every step
     def decode_kernel(
         q_ptr,
@@ -153,18 +168,8 @@ if HAS_TRITON:
                 v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        if ROTARY:  # the new token's key, one more step of the online softmax (none off its split)
-            k_c = k_new.to(q.dtype).to(tl.float32)
-            s_new = tl.sum(q.to(tl.float32) * k_c[None, :], axis=1) * qk_scale
-            s_new = tl.where(owner, s_new, float("-inf"))
-            m_new = tl.maximum(m_i, s_new)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row: no keys at all
-            alpha = tl.math.exp2(m_i - m_ref)
-            p_new = tl.math.exp2(s_new - m_ref)
-            l_i = l_i * alpha + p_new
-            v_c = v_new.to(q.dtype).to(tl.float32)
-            acc = acc * alpha[:, None] + p_new.to(q.dtype).to(tl.float32)[:, None] * v_c[None, :]
-            m_i = m_new
+        if ROTARY:  # the new token's key and value, held in registers (by its split only)
+            m_i, l_i, acc = _attend_one_key(q, k_new, v_new, owner, qk_scale, m_i, l_i, acc)
         if KV_FP8:  # the merge of splits is linear in acc: scaling the partials is enough
             acc = acc * v_scale
         omask = gmask[:, None] & dmask[None, :]
