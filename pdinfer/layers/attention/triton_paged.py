@@ -131,11 +131,12 @@ def decode_attention(
     ``num_splits`` is then the grid's split dimension, at least ``batch_invariant_splits`` of the
     longest context. ``rotary``: q and the step's new K come unrotated and the new K/V are not in
     the cache yet; the kernel rotates q in registers (q is left as it is), and the program whose
-    split holds a row's last position rotates that token's K and stores it with its V into its
-    slot before reading the tiles: ``rotary_write_kv`` and the attention in one launch (one kernel
-    fewer a layer in every decode step), the same cache and rotated q bit for bit. The launch is
-    compiled without FMA contraction (``ROUNDED_PRODUCTS``), so on a GPU its softmax may round
-    differently from the plain decode launch's; the interpreter's tests find them equal."""
+    split holds a row's last position rotates that token's K, stores it with its V into the slot
+    and attends to them from registers (nothing is read back in the launch): ``rotary_write_kv``
+    and the attention in one launch, one kernel fewer a layer in every decode step. The cache
+    and the rotated q are ``rotary_write_kv``'s bit for bit (the launch is compiled without FMA
+    contraction, ``ROUNDED_PRODUCTS``); the output equals the pair's up to rounding (the new
+    token's score is summed elementwise, not by the tiles' dot)."""
     b, h, dim = q.shape
     c = layer_cache
     kvh = c.shape[3]
@@ -346,7 +347,8 @@ class TritonPagedAttention:
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``rotary``: (cos, sin) of a full-width rotary embedding that q and k still need
-        (rotated in place with the KV write); None: q and k come rotated."""
+        (rotated in place by the KV write's kernel, or at decode inside the attention kernel);
+        None: q and k come rotated."""
         ks, vs = self.k_scale, self.v_scale
         out = torch.empty((q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         # At decode the attention kernel rotates and writes the new K/V itself (one launch); FP8
