@@ -146,6 +146,8 @@ def decode_attention(
         out = torch.empty((b, h, dim), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
+    if rotary is not None:
+        check_rotary_shapes(q, rotary.k, rotary.v, rotary.cos)
     splits = BI_MAX_SPLITS if batch_invariant else num_splits  # the partial buffers' and the merge's
     split_tokens = BI_SPLIT_TOKENS if batch_invariant else 0
     part_acc, part_ml = split_buffers(out, splits, d_pad)
@@ -356,7 +358,6 @@ class TritonPagedAttention:
         # faster on bf16: docs/performance.md).
         fused = None
         if meta.is_decode and rotary is not None and self.decode_writes_kv and not is_fp8(layer_cache):
-            check_rotary_shapes(q, k, v, rotary[0])
             fused = DecodeRotary(k, v, rotary[0], rotary[1], meta.slot_mapping)
         elif rotary is not None:  # new K/V first: queries read their chunk (and same-step prefix hits) from the cache
             rotary_write_kv(q, k, v, rotary[0], rotary[1], layer_cache, meta.slot_mapping, ks, vs)
