@@ -241,6 +241,24 @@ def test_wrong_secret_is_refused_at_connect(connector):
     ce.shutdown()
 
 
+def test_refusal_inside_add_request_reaches_the_first_step():
+    """The in-process connector answers a handshake at once, inside ``add_request``: the
+    request ends before the first ``step()``, which must still return it (a fast loopback
+    handshake can do the same over TCP)."""
+    name = uuid.uuid4().hex
+    ce = ce_engine(connector="local", name=name, secret="s3cret", reservation_timeout_s=1.0)
+    pe = pe_engine(connector="local", secret="guess")
+    reservation = ce.role.reserve("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
+    pe.add_request("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY, reservation=reservation)
+    out = _run_pe(pe)["r"]
+    assert out.finished and "authentication" in out.error
+    ce.abort_request("r")
+    drain(ce)
+    all_free(pe, ce)
+    pe.shutdown()
+    ce.shutdown()
+
+
 def _reservation(prompt_ids, **changes) -> Reservation:
     values = dict(
         transfer_id=uuid.uuid4().hex,

@@ -117,6 +117,9 @@ class LLMEngine:
         self.last_step_ran = False  # whether the last step launched device work
         self._ready_outputs: list[RequestDelta] = []
         self._trackers: dict[str, OutputTracker] | None = None  # step()'s client side, once used
+        # Requests that ended with their delta still in _ready_outputs before step() was first
+        # used (a handshake refused inside add_request): that first step() tracks them too.
+        self._ended_untracked: dict[str, RequestState] = {}
         # Called with every plan about to be launched (``step_log.StepLog`` and the like).
         self.step_observers: list[Callable[[SchedulerOutputs], None]] = []
         if engine_args.step_log:
@@ -375,7 +378,15 @@ class LLMEngine:
         self.publish(state)
 
     def publish(self, state: RequestState) -> None:
-        self._ready_outputs.append(self._report(state))
+        delta = self._report(state)
+        if delta.finished and self._trackers is None:
+            self._ended_untracked[state.request_id] = state
+        self._ready_outputs.append(delta)
+
+    def _take_ready_outputs(self) -> list[RequestDelta]:
+        outputs, self._ready_outputs = self._ready_outputs, []
+        self._ended_untracked.clear()  # their deltas leave now
+        return outputs
 
     def stop_seq(self, request_id: str, index: int) -> None:
         """End output ``index`` of a request: a stop string completed it (the client side found
@@ -407,8 +418,7 @@ class LLMEngine:
         handshakes) without launching a step; returns the outputs that produced. A DP rank
         calls it while no rank of its group has a step to run."""
         self.role.poll_peers()
-        outputs, self._ready_outputs = self._ready_outputs, []
-        return outputs
+        return self._take_ready_outputs()
 
     def get_num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
@@ -420,7 +430,7 @@ class LLMEngine:
         (``LLM.generate`` reads no other, and each output copies its request's tokens)."""
         if self._trackers is None:  # first use: track what is already here
             self._trackers = {}
-            for state in self.requests.values():
+            for state in [*self.requests.values(), *self._ended_untracked.values()]:
                 self._track(state)
         outputs = []
         for delta in self.step_deltas():
@@ -489,7 +499,7 @@ class LLMEngine:
         if inflight is not None and self.eplb is not None:
             self.eplb.on_step(plan.prompt_run)  # may rearrange the experts after this forward
         self.pre_sampler_sync(plan)
-        outputs, self._ready_outputs = self._ready_outputs + drained, []
+        outputs = self._take_ready_outputs() + drained
         outputs += self.output_processor.scheduler_outputs(plan)
         if not self.zero_overhead:
             return outputs + (self._post_process_step(inflight) if inflight is not None else [])
