@@ -85,6 +85,20 @@ def test_an_invalid_spec_is_refused_naming_the_problem(llm, spec, problem):
     assert_blocks_back(llm.engine)
 
 
+def test_a_refused_prompt_leaves_nothing_of_its_batch_behind(llm):
+    """The grammar is compiled as each prompt is added: when the second one is refused, the
+    first, already added, must not stay in the engine (running unseen, holding blocks)."""
+    good = SamplingParams(temperature=0.0, max_tokens=8)
+    bad = SamplingParams(structured_outputs={"regex": "(abc"})
+    aborted = llm.engine.num_aborted
+    with pytest.raises(ValueError, match="parenthesis"):
+        llm.generate(["x", "y"], [good, bad], use_tqdm=False)
+    assert not llm.engine.requests  # "x" was aborted, not left to run
+    assert llm.engine.num_aborted == aborted + 1
+    llm.generate(["z"], good, use_tqdm=False)  # takes the abort's delta on its way
+    assert_blocks_back(llm.engine)
+
+
 def test_greedy_json_is_the_same_with_and_without_zero_overhead_scheduling(llm, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs={"json": SCHEMA})
     overlapped = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]

@@ -55,8 +55,15 @@ class LLM:
             p.verify()
         batch = next(_batch_ids)
         ids = [f"llm-{batch}-{i}" for i in range(len(prompts))]
-        for request_id, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(request_id, prompt, p)
+        added = []
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(request_id, prompt, p)  # may still refuse (a bad grammar)
+                added.append(request_id)
+        except BaseException:
+            for request_id in added:  # none of the batch runs: nothing left behind in the engine
+                self.engine.abort_request(request_id)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(
