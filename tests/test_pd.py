@@ -210,15 +210,13 @@ def _run_pe(pe, deadline_s=30) -> dict:
     return outs
 
 
-def test_handshake_mismatch_is_refused_at_connect(connector):
-    ce = ce_engine(connector=connector, reservation_timeout_s=1.0)
-    pe = PrefillEngine(
-        EngineArgs(engine_type="prompt", kv_cache_memory=MEM, block_size=32, kv_transfer={"connector": connector})
-    )
+def _assert_refused_at_connect(pe, ce, reason: str) -> None:
+    """A PE's request whose CE refuses the handshake ends with ``reason`` in its error, never
+    prefilled, and both engines get every block back."""
     reservation = ce.role.reserve("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
     pe.add_request("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY, reservation=reservation)
     out = _run_pe(pe)["r"]  # the handshake runs beside the PE's steps; its refusal ends the request
-    assert out.finished and "block_size" in out.error
+    assert out.finished and reason in out.error
     assert not pe.role.handoff_stats["count"]  # never prefilled, never pushed
     ce.abort_request("r")
     drain(ce)
@@ -227,36 +225,25 @@ def test_handshake_mismatch_is_refused_at_connect(connector):
     ce.shutdown()
 
 
+def test_handshake_mismatch_is_refused_at_connect(connector):
+    ce = ce_engine(connector=connector, reservation_timeout_s=1.0)
+    pe = PrefillEngine(
+        EngineArgs(engine_type="prompt", kv_cache_memory=MEM, block_size=32, kv_transfer={"connector": connector})
+    )
+    _assert_refused_at_connect(pe, ce, "block_size")
+
+
 def test_wrong_secret_is_refused_at_connect(connector):
     ce = ce_engine(secret="s3cret", connector=connector, reservation_timeout_s=1.0)
-    pe = pe_engine(secret="guess", connector=connector)
-    reservation = ce.role.reserve("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
-    pe.add_request("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY, reservation=reservation)
-    out = _run_pe(pe)["r"]
-    assert out.finished and "authentication" in out.error
-    ce.abort_request("r")
-    drain(ce)
-    all_free(pe, ce)
-    pe.shutdown()
-    ce.shutdown()
+    _assert_refused_at_connect(pe_engine(secret="guess", connector=connector), ce, "authentication")
 
 
 def test_refusal_inside_add_request_reaches_the_first_step():
     """The in-process connector answers a handshake at once, inside ``add_request``: the
     request ends before the first ``step()``, which must still return it (a fast loopback
     handshake can do the same over TCP)."""
-    name = uuid.uuid4().hex
-    ce = ce_engine(connector="local", name=name, secret="s3cret", reservation_timeout_s=1.0)
-    pe = pe_engine(connector="local", secret="guess")
-    reservation = ce.role.reserve("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
-    pe.add_request("r", {"prompt_token_ids": [1, 2, 3]}, GREEDY, reservation=reservation)
-    out = _run_pe(pe)["r"]
-    assert out.finished and "authentication" in out.error
-    ce.abort_request("r")
-    drain(ce)
-    all_free(pe, ce)
-    pe.shutdown()
-    ce.shutdown()
+    ce = ce_engine(connector="local", name=uuid.uuid4().hex, secret="s3cret", reservation_timeout_s=1.0)
+    _assert_refused_at_connect(pe_engine(connector="local", secret="guess"), ce, "authentication")
 
 
 def _reservation(prompt_ids, **changes) -> Reservation:
