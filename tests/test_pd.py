@@ -128,6 +128,23 @@ def test_local_connector_pair(normal, prompt_ids):
     all_free(pe, ce)
 
 
+def test_n_outputs_of_one_token_each_through_a_hand_off(normal, prompt_ids):
+    """n = 2, max_tokens = 1: the CE ends output 0 and its fork on the tokens the PE sampled;
+    neither may stay in the CE's decode batch (the request ended: nothing would finish it)."""
+    pe, ce = pe_engine(connector="local"), ce_engine(connector="local", name=uuid.uuid4().hex)
+    pair = PDPair(pe, ce)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=1)
+    for i, ids in enumerate(prompt_ids[:3]):
+        pair.add_request(f"one-{i}", {"prompt_token_ids": ids}, params)
+    got = run(pair)
+    expected = normal.generate([{"prompt_token_ids": ids} for ids in prompt_ids[:3]], params, use_tqdm=False)
+    for i, e in enumerate(expected):
+        assert [c.token_ids for c in got[f"one-{i}"].outputs] == [c.token_ids for c in e.outputs]
+        assert [len(c.token_ids) for c in e.outputs] == [1, 1]
+    assert not ce.scheduler.running and not ce.requests
+    all_free(pe, ce)
+
+
 def test_prompt_engine_with_zero_overhead_scheduling_hands_off(normal, prompt_ids, monkeypatch):
     """ZOS is off by default for PROMPT, but an operator may turn it on: post-processing then
     lags a step behind scheduling, and every finished prefill must still be pushed."""

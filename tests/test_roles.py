@@ -366,11 +366,13 @@ def test_forks_share_blocks_then_copy_and_follow_forced_tokens(prompt_ids, refer
 
 
 class CountingPrefill(LLMEngine):
-    prefill_tokens = 0
+    prefill_tokens = decode_tokens = 0
 
     def post_schedule(self, outputs):
         if outputs.prompt_run:
             self.prefill_tokens += outputs.num_batched_tokens
+        else:
+            self.decode_tokens += outputs.num_batched_tokens
 
 
 def test_n_outputs_compute_the_prompt_once(prompt_ids):
@@ -388,6 +390,61 @@ def test_n_outputs_compute_the_prompt_once(prompt_ids):
         assert_blocks_back(e)
     assert runs[0] == runs[1]  # seeded
     assert len({tuple(t) for t in runs[0]}) == 3  # the three outputs differ
+
+
+@pytest.mark.parametrize("zos", [False, True])
+def test_n_outputs_of_one_token_each_all_come_back(prompt_ids, reference, monkeypatch, zos):
+    """n = 3, max_tokens = 1: output 0 ends on its first token, in the same step that samples
+    the other two; they must still be made, and the request end (greedy: transformers' next
+    token, three times)."""
+    monkeypatch.setenv("PDINFER_ZERO_OVERHEAD_SCHEDULING", "1" if zos else "0")
+    e = engine()
+    for i, ids in enumerate(prompt_ids[:3]):
+        e.add_request(f"r{i}", {"prompt_token_ids": ids}, SamplingParams(n=3, temperature=0.0, max_tokens=1))
+    outputs = run_all(e)
+    for i, ids in enumerate(prompt_ids[:3]):
+        out = outputs[f"r{i}"]
+        assert out.finished and [c.index for c in out.outputs] == [0, 1, 2]
+        assert [c.token_ids for c in out.outputs] == [reference(ids, 1)] * 3
+        assert {c.finish_reason for c in out.outputs} == {"length"}
+    assert not e.requests
+    assert_blocks_back(e)
+
+
+def test_a_fork_that_stops_on_its_first_token_leaves_the_others_running(prompt_ids):
+    """n = 2, seeded: with output 1's first token made a stop token id (one output 0 never
+    samples), output 1 is that one token and output 0 is what it was without the stop token."""
+    ids = prompt_ids[3]
+    params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=12, ignore_eos=True)
+    e = engine(cls=CountingPrefill)
+    e.add_request("free", {"prompt_token_ids": ids}, params)
+    free = [c.token_ids for c in run_all(e)["free"].outputs]
+    stop = free[1][0]
+    assert stop not in free[0]  # else this seed tests something else: pick another
+    e.decode_tokens = 0
+    e.add_request("stopped", {"prompt_token_ids": ids}, params.clone(stop_token_ids=[stop]))
+    out = run_all(e)["stopped"]
+    assert [c.token_ids for c in out.outputs] == [free[0], [stop]]
+    assert [c.finish_reason for c in out.outputs] == ["length", "stop"]
+    # Only output 0 decodes after the prefill: its 11 tokens after the first (the stopped fork,
+    # taken back into the decode batch, would double that, writing to blocks it had freed).
+    assert e.decode_tokens == len(free[0]) - 1
+    assert not e.requests
+    assert_blocks_back(e)
+
+
+def test_aborting_an_n_request_before_its_forks_ends_it():
+    """Aborted before its prompt ran, an n = 2 request ends at once (no forks will come): its
+    state goes, its id is free again."""
+    e = engine()
+    e.add_request("a", "Hello", SamplingParams(n=2, max_tokens=4))
+    e.abort_request("a")
+    out = run_all(e)["a"]
+    assert out.finished and out.error == "aborted"
+    assert not e.requests
+    e.add_request("a", "Hello", SamplingParams(n=2, max_tokens=4))  # the id is free again
+    assert len(run_all(e)["a"].outputs) == 2
+    assert_blocks_back(e)
 
 
 @pytest.mark.parametrize(

@@ -169,6 +169,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:  # preempted for recompute while its last token was in flight
             self.waiting.remove(seq)
+        else:  # a fork (or a CE's arrival) that ended on its first token, before it ever ran
+            self.prompted = deque((s, f) for s, f in self.prompted if s is not seq)
         self._release_draft_slot(seq)
         self.finished.append(seq)
 

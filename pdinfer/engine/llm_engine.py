@@ -374,6 +374,7 @@ class LLMEngine:
         for seq in state.seqs:
             if not seq.is_finished:  # not in the scheduler (e.g. a CE sequence not yet enqueued)
                 self.output_processor.abort(seq)
+        state.expected_seqs = len(state.seqs)  # n > 1: no forks will come (the request ends now)
         state.error = state.error or "aborted"
         self.publish(state)
 

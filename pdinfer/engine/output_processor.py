@@ -62,8 +62,11 @@ class OutputProcessor:
                 if not seq.is_finished and state is not None:
                     self._verify_drafts(seq, drafts, result, index)
                     touched[state.request_id] = state
-            elif seq.is_finished or state is None:
-                pass  # aborted or stopped while this step ran; its sample is dropped
+            elif state is None or seq.is_finished and not (copy > 0 and len(state.seqs) < state.expected_seqs):
+                # Aborted or stopped while this step ran: its sample is dropped. A fork's first
+                # token is not: output 0 may have ended on its own first token (max_tokens=1,
+                # EOS, a stop string), and the other n - 1 outputs are still due.
+                pass
             else:
                 self._apply_token(state, seq, copy, result, index)
                 touched[state.request_id] = state
