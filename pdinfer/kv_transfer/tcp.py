@@ -88,9 +88,12 @@ class TcpConnector(KVConnector):
         self._wake_addr = f"inproc://pdinfer-kv-wake-{self.instance_id}"
         self._wake_recv = self._ctx.socket(zmq.PULL)
         self._wake_recv.bind(self._wake_addr)
+        # Any thread may send on _wake_send (under _wake_lock); only close() closes it, after
+        # the socket thread has ended, so no command can meet a closed socket.
         self._wake_send = self._ctx.socket(zmq.PUSH)
         self._wake_send.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
+        self._closed = False
         self._refusals = RefusalLog()
         self.max_message_bytes = -1  # a PE reads only control messages (its dealers' own bound)
         self.max_push_bytes = max_push_blocks * bytes_per_block  # 0: not known
@@ -210,12 +213,15 @@ class TcpConnector(KVConnector):
         return self.plane.staged_bytes
 
     def close(self) -> None:
-        if not self._running:
-            return
+        with self._wake_lock:
+            if self._closed:
+                return
+            self._closed = True
         self.plane.drain()
-        self._running = False
-        self._command(("stop", None, None))
+        self._command(("stop", None, None))  # the socket thread ends once it reads this
         self._thread.join(timeout=5)
+        with self._wake_lock:
+            self._wake_send.close(linger=0)
         self.plane.close()
 
     # --- what the data plane may ask (``data_plane.Link``) -------------------------------------
@@ -229,9 +235,11 @@ class TcpConnector(KVConnector):
         self._events.put(event)
 
     def _command(self, command) -> None:
+        """Queue ``command`` for the socket thread and wake it (after ``close`` nothing runs it)."""
         self._commands.put(command)
         with self._wake_lock:
-            self._wake_send.send(b"", zmq.NOBLOCK)
+            if not self._wake_send.closed:
+                self._wake_send.send(b"", zmq.NOBLOCK)
 
     # --- the socket thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -260,7 +268,7 @@ class TcpConnector(KVConnector):
         finally:
             for pending in self._pending_hello.values():
                 _fail(pending.futures, HandshakeError("the KV connector was closed"))
-            for sock in [*self._dealers.values(), self._router, self._wake_recv, self._wake_send]:
+            for sock in [*self._dealers.values(), self._router, self._wake_recv]:
                 if sock is not None:
                     sock.close(linger=0)
 
