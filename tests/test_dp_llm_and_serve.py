@@ -35,11 +35,17 @@ def _compare_dp2_with_one_engine(prompts, **engine_kwargs) -> None:
         for params in (
             SamplingParams(temperature=0.0, max_tokens=16),
             SamplingParams(temperature=1.0, seed=7, max_tokens=16, n=2),
+            # Stop strings: the front finds them, the rank ends the output, and the front
+            # delivers the final output once the rank confirms (it once waited for ever).
+            SamplingParams(temperature=0.0, max_tokens=16, stop=["e", "a", "o"]),
         ):
             want = single.generate(prompts, params, use_tqdm=False)
             got = dp.generate(prompts, params, use_tqdm=False)
             assert _choices(got) == _choices(want)
             assert {o.extra["dp_rank"] for o in got} == {0, 1}  # both ranks took part
+            if params.stop:
+                assert any(c.finish_reason == "stop" for o in want for c in o.outputs)
+        assert not dp.engine.front.requests  # every request forgotten, its load released
     finally:
         dp.engine.shutdown()
 

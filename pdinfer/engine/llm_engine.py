@@ -392,7 +392,12 @@ class LLMEngine:
     def stop_seq(self, request_id: str, index: int) -> None:
         """End output ``index`` of a request: a stop string completed it (the client side found
         it). A no-op for a request or output that already ended, and on a role whose outputs
-        end elsewhere (a PE's end with its hand-off)."""
+        end elsewhere (a PE's end with its hand-off).
+
+        The output's end needs no delta (the client knows), but the request's end gets one,
+        finished and empty: every layer between the engine and the client (an engine core's
+        owners, a DP front's load balancer and its final-only outputs) forgets a request only
+        on its finished delta."""
         state = self.requests.get(request_id)
         if state is None or not self.role.ends_on_stop_strings:
             return
@@ -400,9 +405,9 @@ class LLMEngine:
             if seq.index == index and not seq.is_finished:
                 seq.finish(SequenceStatus.FINISHED_STOPPED)
                 self.scheduler.finish_seq(seq)
-                seq.reported_finished = True  # the client knows; no delta needed
+                seq.reported_finished = True  # the client knows this output ended
                 if state.finished:
-                    self.requests.pop(request_id, None)
+                    self.publish(state)
 
     def has_unfinished_requests(self) -> bool:
         return self.has_step_work() or self.role.waits_on_peers()
