@@ -188,6 +188,7 @@ def test_ce_without_room_refuses_and_the_request_is_not_lost(connector, prompt_i
     small = ce_engine(num_kv_blocks=8, connector=connector, reservation_timeout_s=2.0)
     big = ce_engine(connector=connector)
     prompt = {"prompt_token_ids": prompt_ids[6]}  # ~60 tokens + margin: 5 blocks of 16
+    small.step()  # step() is in use from here: it tracks every request's client side
     small.role.reserve("filler", prompt, GREEDY)  # 3 of the 8 blocks left: full for now
     with pytest.raises(NoRoomError):
         small.role.reserve("r", prompt, GREEDY)
@@ -195,6 +196,12 @@ def test_ce_without_room_refuses_and_the_request_is_not_lost(connector, prompt_i
     small.abort_request("filler")
     drain(small)
     all_free(small)
+    # The refused id is free, and nothing of the refused request is left under it.
+    other = {"prompt_token_ids": prompt_ids[0]}
+    small.role.reserve("r", other, GREEDY)
+    small.abort_request("r")
+    assert small.step()[0].prompt_token_ids == prompt_ids[0]
+    drain(small)
     reservation = big.role.reserve("r", prompt, GREEDY)  # the caller picks another CE
     pe.add_request("r", prompt, GREEDY, reservation=reservation)
     out = run(PDPair(pe, big))["r"]

@@ -293,6 +293,12 @@ class LLMEngine:
             self.scheduler.add_sequence(seq)
         return seq
 
+    def unbuild_request(self, request_id: str) -> None:
+        """Forget a request ``build_request`` made that the role then refused (nothing ran)."""
+        self.requests.pop(request_id, None)
+        if self._trackers is not None:
+            self._trackers.pop(request_id, None)
+
     def admit(
         self, request_id: str, prompt, sampling_params: SamplingParams, reservation: Reservation | None = None
     ) -> Reservation | None:

@@ -83,6 +83,10 @@ class EngineView(Protocol):
         """A request's first sequence, admitted; in ``waiting`` if ``enqueue``."""
         ...
 
+    def unbuild_request(self, request_id: str) -> None:
+        """Forget a request ``build_request`` made that the role then refused (nothing ran)."""
+        ...
+
     def abort_request(self, request_id: str) -> None: ...
 
     def drop_request(self, request_id: str) -> None:

@@ -77,7 +77,7 @@ class CompletionRole(Role):
         margin = min(self.pd_config.decode_margin_tokens, seq.max_tokens - 1)
         needed = bm.blocks_for(seq.num_prompt_tokens + margin)
         if needed > bm.num_free_blocks or len(engine.scheduler.running) >= engine.scheduler_config.max_num_seqs:
-            del engine.requests[request_id]
+            engine.unbuild_request(request_id)
             raise NoRoomError(
                 f"no room for {seq.num_prompt_tokens} prompt tokens: {bm.num_free_blocks} "
                 f"free KV blocks, {needed} needed"

@@ -143,7 +143,7 @@ class PrefillRole(Role):
         elif len(reservation.block_ids) < engine.block_manager.blocks_for(seq.num_prompt_tokens):
             error = "the reservation's block_ids hold fewer blocks than the prompt needs"
         if error is not None:
-            engine.requests.pop(request_id, None)
+            engine.unbuild_request(request_id)
             raise ValueError(error)
         seq.handoff = Handoff(reservation=reservation)
         if reservation.timeout_s is not None:
