@@ -169,6 +169,9 @@ class RunnerOptions:
     # EngineArgs.kv_cache_dtype ("auto" or "fp8") and quantization (None or "fp8"), CUDA only
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    # Speculative decoding here: a decode step may hold several rows of one sequence (a
+    # verifying step), each reading the K/V the rows before it write in the same step.
+    verifies_drafts: bool = False
 
 
 # FP8 (e4m3) on GPUs with FP8 tensor cores (docs/usage.md, "FP8"); "fp8_e4m3" is vLLM's alias.
@@ -274,6 +277,7 @@ class EngineArgs:
             batch_invariant=bool(self.batch_invariant),
             kv_cache_dtype=self.kv_cache_dtype,
             quantization=self.quantization,
+            verifies_drafts=self.speculative_method is not None and self.role.drafts_tokens,
         )
         self.kv_secret = env.rearm("PDINFER_KV_SECRET") or None
         env.set_role_default("PDINFER_EPLB_INTERVAL", str(self.engine_type.default_eplb_interval))

@@ -237,6 +237,41 @@ def test_decode_attention_with_rotary_is_rotary_write_then_decode(num_splits, kv
     assert rel_err(out_fused, out_ref) < 2e-3
 
 
+def test_a_verifying_step_writes_every_row_before_any_row_attends():
+    """Speculative decoding's verifying step: one sequence's 1 + k rows in one decode step, row
+    i attending to the K/V of rows < i. The one-launch decode writes only each row's own K/V,
+    so on a GPU (programs in any order) a row may read a slot before its row wrote it: an
+    engine that verifies drafts gets backends that write every row first. Here the rows come
+    last position first, so the interpreter (programs in order) runs a row before the rows it
+    reads; the output must still be the write-then-attend reference."""
+    from pdinfer.layers.attention.torch_paged import TorchPagedAttention
+
+    heads, ctx = 2 * KV_HEADS, 23
+    positions = [ctx - 1, ctx - 2, ctx - 3, ctx - 4]  # the last known token and 3 drafts, reversed
+    table = scrambled_tables([ctx], seed=5)[0]
+    slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions])
+    tables = padded_tables([table] * len(positions))
+    lens = torch.tensor([p + 1 for p in positions])
+    qkv = torch.randn(len(positions), (heads + 2 * KV_HEADS) * HEAD_DIM).half()
+    cos, sin = RotaryEmbedding(HEAD_DIM, 10000.0, {}).cos_sin(torch.tensor(positions), torch.float16)
+    kv0 = make_cache(torch.float16)[0]
+
+    module = torch.nn.Module()
+    module.backend = TorchPagedAttention(heads, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    tp.use_triton_attention(module, verifies_drafts=True)
+    meta = tp.GpuAttentionMetadata(True, slots, tables, lens, num_splits=2, num_tokens=len(positions))
+    q, k, v = split_qkv(qkv.clone(), heads)
+    kv = kv0.clone()
+    out = module.backend.forward(q, k, v, kv[:, 1], meta, rotary=(cos, sin))
+
+    q, k, v = split_qkv(qkv.clone(), heads)
+    kv_ref = kv0.clone()
+    tp.rotary_write_kv(q, k, v, cos, sin, kv_ref[:, 1], slots)
+    ref = tp.decode_attention(q, kv_ref[:, 1], tables, lens, HEAD_DIM**-0.5, 2)
+    assert torch.equal(kv, kv_ref)
+    assert rel_err(out, ref) < 2e-3
+
+
 def test_decode_num_splits_depends_on_batch_not_context():
     assert tp.decode_num_splits(1, 8, None) > tp.decode_num_splits(64, 8, None) >= 1
     assert tp.decode_num_splits(1, 8, 100) == 1  # a short context is not split
@@ -334,7 +369,7 @@ TINY_LLAMA = {  # the tiny Llama of the CUDA-path tests (test_triton_spec_decode
 }
 
 
-def _tiny_runner(gpu: bool = False):
+def _tiny_runner(gpu: bool = False, **engine_args):
     """A tiny Llama with dummy weights: ``CpuRunner``, or with ``gpu`` the CUDA runner on CPU tensors."""
     from pdinfer.config import EngineArgs
     from pdinfer.models.spec import ModelSpec
@@ -343,7 +378,19 @@ def _tiny_runner(gpu: bool = False):
 
     spec = ModelSpec.from_hf_config(TINY_LLAMA)
     runner_class = GpuRunner if gpu else CpuRunner
-    return runner_class(spec, "", "dummy", torch.float32, torch.device("cpu"), EngineArgs().runner_options, seed=3)
+    options = EngineArgs(**engine_args).runner_options
+    return runner_class(spec, "", "dummy", torch.float32, torch.device("cpu"), options, seed=3)
+
+
+@pytest.mark.parametrize("method, writes_first", [(None, False), ("ngram", True)])
+def test_an_engine_that_verifies_drafts_writes_kv_before_decode_attention(method, writes_first):
+    """The CUDA runner of an engine that speculates keeps the KV write apart from the decode
+    attention (see the verifying-step test above); one that does not, fuses them."""
+    runner = _tiny_runner(gpu=True, speculative_method=method)
+    backends = [
+        m.backend for m in runner.model.modules() if isinstance(getattr(m, "backend", None), tp.TritonPagedAttention)
+    ]
+    assert backends and all(b.decode_writes_kv is not writes_first for b in backends)
 
 
 def test_gpu_step_path_matches_cpu_runner():

@@ -7,8 +7,9 @@ all its rows, the output processor accepts and rolls back; the worker runs the s
 decode step in which a speculating sequence is 1 + k rows, one per position (``StepBuilder``).
 
 On CUDA that step is a plain decode step too: the Triton kernels write every row's K/V before
-any row attends (``triton_paged``), each row carries its own context length, and the decode
-CUDA graphs are captured up to the largest verifying step's rows (``decode_graph_rows``).
+any row attends (an engine that verifies drafts does not fold the KV write into the decode
+attention: ``RunnerOptions.verifies_drafts``), each row carries its own context length, and the
+decode CUDA graphs are captured up to the largest verifying step's rows (``decode_graph_rows``).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class GpuRunner(RunnerBase):
     def _prepare_model(self, load_format: str, options: RunnerOptions) -> None:
         if self.device.index is not None:  # "cuda:N": this thread's kernels (Triton too) go there
             torch.cuda.set_device(self.device)
-        use_triton_attention(self.model)
+        use_triton_attention(self.model, verifies_drafts=options.verifies_drafts)
         if isinstance(self.model, LlamaForCausalLM):
             self.model.fused_residual = True  # residual add + RMSNorm in one Triton kernel
         use_triton_mla(self.model)

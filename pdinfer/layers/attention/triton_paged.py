@@ -336,7 +336,9 @@ class TritonPagedAttention:
     # ``forward`` takes ``rotary``: the rotary embedding goes into the KV write's kernel
     fuses_rotary = True
     # and at decode the KV write with it into the attention kernel (benchmarks/gpu_floor.py
-    # switches it off to time the difference)
+    # switches it off to time the difference). Each row's program writes only its own new K/V,
+    # so an engine whose decode steps hold several rows of one sequence (speculative decoding's
+    # verifying steps: row i reads what rows < i write) turns it off (``use_triton_attention``).
     decode_writes_kv = True
 
     def forward(
@@ -386,13 +388,17 @@ class TritonPagedAttention:
         return prefill_attention(q, layer_cache, meta, self.scale, out, ks, vs)
 
 
-def use_triton_attention(model: torch.nn.Module) -> None:
-    """Give every attention layer of ``model`` the Triton backend (CUDA engines)."""
+def use_triton_attention(model: torch.nn.Module, verifies_drafts: bool = False) -> None:
+    """Give every attention layer of ``model`` the Triton backend (CUDA engines).
+    ``verifies_drafts``: decode steps may hold several rows of one sequence, so every row's K/V
+    is written before any row attends (no ``DecodeRotary``)."""
     if not HAS_TRITON:
         raise RuntimeError("CUDA inference needs Triton: pip install triton")
     for module in model.modules():
         backend = getattr(module, "backend", None)
         if backend is not None and hasattr(backend, "num_kv_heads"):
             new_backend = TritonPagedAttention(backend.num_heads, backend.num_kv_heads, backend.head_dim, backend.scale)
+            if verifies_drafts:
+                new_backend.decode_writes_kv = False
             # the backend is a plain object, which nn.Module's attribute type (Tensor | Module) omits
             module.backend = new_backend  # type: ignore[assignment]
