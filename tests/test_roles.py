@@ -433,6 +433,43 @@ def test_a_fork_that_stops_on_its_first_token_leaves_the_others_running(prompt_i
     assert_blocks_back(e)
 
 
+def _run_with_zos(requests, **engine_args) -> dict:
+    """Zero-overhead scheduling on: ``requests`` (id, prompt ids, params) added together, run."""
+    os.environ["PDINFER_ZERO_OVERHEAD_SCHEDULING"] = "1"  # the autouse fixture restores it
+    e = engine(**engine_args)
+    assert e.zero_overhead
+    for request_id, ids, params in requests:
+        e.add_request(request_id, {"prompt_token_ids": ids}, params)
+    outputs = run_all(e)
+    assert not e.requests
+    assert_blocks_back(e)
+    return {request_id: [c.token_ids for c in out.outputs] for request_id, out in outputs.items()}
+
+
+def test_forks_of_a_parent_preempted_with_its_first_tokens_in_flight(reference):
+    """Zero-overhead scheduling, 4 KV blocks: the decode step after B's prefill preempts B
+    (n = 2) while its two first tokens are in flight; when they land, the fork of a parent
+    with nothing computed recomputes like its parent (it once raised ValueError)."""
+    a, b = list(range(100, 132)), list(range(200, 232))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = _run_with_zos([("A", a, params), ("B", b, params.clone(n=2))], num_kv_blocks=4)
+    assert got == {"A": [reference(a, 8)], "B": [reference(b, 8)] * 2}
+
+
+def test_a_forks_first_write_never_lands_in_a_published_block():
+    """Zero-overhead scheduling fills B's output 0's last prompt block with its first token and
+    publishes it to the prefix cache; the fork, held back by max_num_seqs, joins after output 0
+    was preempted (the block's only reference left) and must copy the block before writing its
+    own first token into that slot. B's outputs then equal B's alone (seeded), output 0's
+    recompute included, which hits that block."""
+    a, b = [7, *range(500, 515)], list(range(1000, 1031))
+    params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=30, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    got = _run_with_zos([("A", a, greedy), ("B", b, params)], num_kv_blocks=6, max_num_seqs=2)
+    alone = _run_with_zos([("B", b, params)], num_kv_blocks=64)
+    assert got["B"] == alone["B"]
+
+
 def test_aborting_an_n_request_before_its_forks_ends_it():
     """Aborted before its prompt ran, an n = 2 request ends at once (no forks will come): its
     state goes, its id is free again."""

@@ -205,11 +205,21 @@ class BlockManager:
             del seq.block_table[keep:]
         seq.num_draft_blocks = 0
 
+    def must_copy_before_write(self, block_id: int) -> bool:
+        """Writing into the block would change what another reader sees: another sequence
+        shares it, or the prefix cache published it (a later prompt may hit it)."""
+        return self.ref_counts[block_id] > 1 or self.block_hash[block_id] is not None
+
     def copy_on_write(self, seq: Sequence, index: int) -> tuple[int, int] | None:
         """Give ``seq`` a private copy of its block ``index`` if the block is shared."""
-        block_id = seq.block_table[index]
-        if self.ref_counts[block_id] <= 1:
+        if self.ref_counts[seq.block_table[index]] <= 1:
             return None
+        return self.copy_block(seq, index)
+
+    def copy_block(self, seq: Sequence, index: int) -> tuple[int, int]:
+        """Give ``seq`` a new block in place of its block ``index``; returns (old, new), whose
+        contents the runner copies before the step writes. The old block keeps its hash."""
+        block_id = seq.block_table[index]
         new_block = self.allocate_blocks(1)[0]
         self._decref(block_id)
         seq.block_table[index] = new_block

@@ -111,9 +111,12 @@ class Scheduler:
 
         ``blocks=None`` shares ``seq``'s blocks (the last, partly written one is copied before
         the fork first writes, see ``_schedule_decode``); an explicit list hands those blocks,
-        which must already hold the prefix, to the fork (the shape of a P/D hand-off).
+        which must already hold the prefix, to the fork (the shape of a P/D hand-off). A parent
+        preempted for recompute (waiting, nothing computed: zero-overhead scheduling preempted
+        it while its first tokens were in flight) gives a fork that recomputes too.
         """
-        if seq.num_computed_tokens <= 0:
+        recomputing = seq.num_computed_tokens <= 0 and seq.status is SequenceStatus.WAITING
+        if seq.num_computed_tokens <= 0 and (blocks is not None or not recomputing):
             raise ValueError("Cannot fork a sequence without a computed prefix")
         fork = Sequence(
             request_id=seq.request_id,
@@ -323,11 +326,13 @@ class Scheduler:
             seq, forked = self.prompted[0]
             if forked:
                 index = seq.num_computed_tokens // bm.block_size
-                shared = index < len(seq.block_table) and bm.ref_counts[seq.block_table[index]] > 1
+                # Its parent's last block: shared, or (zero-overhead scheduling) already filled
+                # with the parent's token in the fork's slot and published, its parent gone.
+                shared = index < len(seq.block_table) and bm.must_copy_before_write(seq.block_table[index])
                 sm = self.state_manager if seq.state_id < 0 else None  # a state slot still to allocate
                 if (shared and bm.num_free_blocks < 1) or (sm is not None and not sm.can_allocate()):
                     break
-                copy = bm.copy_on_write(seq, index) if shared else None
+                copy = bm.copy_block(seq, index) if shared else None
                 if copy is not None:
                     outputs.clone_blocks.append(copy)
                 if sm is not None:
