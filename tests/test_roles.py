@@ -470,6 +470,29 @@ def test_a_forks_first_write_never_lands_in_a_published_block():
     assert got["B"] == alone["B"]
 
 
+def test_a_preempted_sequence_queues_behind_a_chunked_prompt_under_way(reference):
+    """8 blocks of 16, chunks of 32: A (80 tokens) decodes while B (60) is mid-prefill holding 3
+    blocks; A's decode finds no block and is preempted. Put back ahead of B it needed 6 blocks
+    with 5 free, and B could not go on behind it: nothing ran again. Behind B, B completes and
+    ends, then A recomputes and ends (transformers' tokens for both)."""
+    os.environ["PDINFER_ZERO_OVERHEAD_SCHEDULING"] = "1"  # NORMAL's default; the fixture restores it
+    e = engine(num_kv_blocks=8, chunked_prefill=True, max_num_batched_tokens=32)
+    a, b = list(range(100, 180)), list(range(300, 360))
+    e.add_request("A", {"prompt_token_ids": a}, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    e.add_request("B", {"prompt_token_ids": b}, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    outputs = {}
+    for _ in range(500):  # about 50 steps; a stalled queue never ends
+        if not e.has_unfinished_requests():
+            break
+        for out in e.step():
+            outputs[out.request_id] = out
+    assert not e.has_unfinished_requests(), f"stalled: waiting {list(e.scheduler.waiting)}"
+    assert e.scheduler.num_preemptions >= 1  # the case under test happened
+    assert outputs["A"].outputs[0].token_ids == reference(a, 40)
+    assert outputs["B"].outputs[0].token_ids == reference(b, 1)
+    assert_blocks_back(e)
+
+
 def test_aborting_an_n_request_before_its_forks_ends_it():
     """Aborted before its prompt ran, an n = 2 request ends at once (no forks will come): its
     state goes, its id is free again."""

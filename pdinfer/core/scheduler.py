@@ -144,7 +144,7 @@ class Scheduler:
         fork.state_source = seq.state_id  # cloned into a slot of its own before it runs
         if fork.num_computed_tokens < fork.num_tokens - 1:
             fork.status = SequenceStatus.WAITING
-            self.waiting.appendleft(fork)
+            self._put_back(fork)
         else:
             fork.status = SequenceStatus.PROMPTED
             self.prompted.append((fork, True))
@@ -415,4 +415,16 @@ class Scheduler:
         # Recompute later: back to the front of the queue, its cached blocks may still hit.
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._put_back(seq)
+
+    def _put_back(self, seq: Sequence) -> None:
+        """To the front of ``waiting``, but behind the prompts whose prefill is under way (a
+        chunked prompt holding blocks). Ahead of one, a sequence that cannot get its blocks
+        while that prompt holds them would stall the queue for good; behind it, the prompt
+        completes first (the cache holds any one prompt) and runs or ends."""
+        ahead = 0
+        for queued in self.waiting:
+            if not (queued.block_table and queued.num_computed_tokens > 0):
+                break
+            ahead += 1
+        self.waiting.insert(ahead, seq)
