@@ -493,6 +493,23 @@ def test_a_preempted_sequence_queues_behind_a_chunked_prompt_under_way(reference
     assert_blocks_back(e)
 
 
+def test_requests_ended_by_preemption_leave_nothing_behind():
+    """stop_preempted_request (a CE's rule): under block pressure the latest arrivals end with
+    the preemption error; like every ended sequence they must leave no per-sequence state in
+    the engine (blocks, the step builder's last samples), and the others finish normally."""
+    e = engine(num_kv_blocks=6, stop_preempted_request=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i in range(3):
+        e.add_request(f"r{i}", {"prompt_token_ids": list(range(100 * (i + 1), 100 * (i + 1) + 20))}, params)
+    outputs = run_all(e)
+    assert e.scheduler.num_preemptions >= 1
+    ended = [out for out in outputs.values() if out.error]
+    assert ended and all("preempted" in out.error for out in ended)
+    assert any(out.error is None and len(out.outputs[0].token_ids) == 40 for out in outputs.values())
+    assert not e.step_builder.last_sample
+    assert_blocks_back(e)
+
+
 def test_aborting_an_n_request_before_its_forks_ends_it():
     """Aborted before its prompt ran, an n = 2 request ends at once (no forks will come): its
     state goes, its id is free again."""

@@ -241,6 +241,11 @@ class LLMEngine:
 
     def finalize_seq(self, seq: Sequence) -> None:
         self.scheduler.free_seq(seq)
+        self.forget_seq(seq)
+
+    def forget_seq(self, seq: Sequence) -> None:
+        """Drop the step builder's and the state copy's entries of an ended sequence (the
+        scheduler freed its blocks: ``finalize_seq``, or a preemption that ended it)."""
         self.step_builder.forget(seq)
         if self.copy_state is not None:
             self.copy_state.pop(seq.seq_id, None)

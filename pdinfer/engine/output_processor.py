@@ -35,6 +35,7 @@ class OutputProcessor:
         """Deltas for sequences the scheduler itself ended (too long, preempted and stopped)."""
         touched: dict[str, RequestState] = {}
         for seq in plan.ignored_seqs + [s for s in plan.preempted_seqs if s.is_finished]:
+            self.engine.forget_seq(seq)  # ended without finalize_seq (its blocks are free)
             state = self.engine.requests.get(seq.request_id)
             if state is None:
                 continue
