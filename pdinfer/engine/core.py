@@ -55,7 +55,7 @@ def refusal_kind(exc: BaseException) -> str | None:
     from pdinfer.engine.pd_common import NoRoomError
     from pdinfer.kv_transfer.connector import HandshakeError
 
-    if isinstance(exc, ValueError | TypeError):
+    if isinstance(exc, ValueError | TypeError | msgspec.ValidationError):  # the last: a DP rank's convert
         return "invalid"
     if isinstance(exc, NoRoomError):
         return "no_room"

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 
 import msgspec
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from pdinfer.engine.client import EngineClient, EngineDeadError, EngineOverloadedError
@@ -24,6 +24,7 @@ from pdinfer.serving.pd_protocol import (
     reservation_to_dict,
     sampling_from_dict,
 )
+from pdinfer.serving.frontend import run_unless_disconnected
 from pdinfer.serving.protocol import APIError, bad_request
 
 
@@ -67,8 +68,10 @@ class PDEndpoints:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def prefill(self, body: PrefillRequest) -> dict:
-        """PE: prefill, push K/V + first token to the reserving CE, answer once it confirmed."""
+    async def prefill(self, body: PrefillRequest, request: Request) -> dict:
+        """PE: prefill, push K/V + first token to the reserving CE, answer once it confirmed. If
+        the router goes away first (its client left, or it gave up), the request is aborted:
+        no prefill for nobody, its blocks back at once."""
         self._require("prefill")
         try:
             reservation = body.parsed_reservation()
@@ -76,9 +79,13 @@ class PDEndpoints:
             raise bad_request(f"invalid reservation: {exc}") from None
         start = time.monotonic()
         stream = await self._add(body, apply_stops=False, reservation=reservation)
-        try:
+
+        async def drain() -> None:
             async for _ in stream:
                 pass
+
+        try:
+            await run_unless_disconnected(request, drain())
         except EngineDeadError as exc:
             raise APIError(503, str(exc), type="server_error", code="engine_dead") from None
         finally:
