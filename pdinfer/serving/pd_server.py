@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from pdinfer.engine.client import EngineClient, EngineDeadError, EngineOverloadedError
 from pdinfer.engine.pd_common import NoRoomError
 from pdinfer.kv_transfer.connector import HandshakeError
+from pdinfer.serving.frontend import run_unless_disconnected
 from pdinfer.serving.pd_protocol import (
     DecodeEvent,
     DecodeRequest,
@@ -24,7 +25,6 @@ from pdinfer.serving.pd_protocol import (
     reservation_to_dict,
     sampling_from_dict,
 )
-from pdinfer.serving.frontend import run_unless_disconnected
 from pdinfer.serving.protocol import APIError, bad_request
 
 
