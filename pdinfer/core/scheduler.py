@@ -115,7 +115,9 @@ class Scheduler:
         preempted for recompute (waiting, nothing computed: zero-overhead scheduling preempted
         it while its first tokens were in flight) gives a fork that recomputes too.
         """
-        recomputing = seq.num_computed_tokens <= 0 and seq.status is SequenceStatus.WAITING
+        recomputing = (
+            seq.num_computed_tokens <= 0 and seq.status is SequenceStatus.WAITING and seq.num_output_tokens > 0
+        )
         if seq.num_computed_tokens <= 0 and (blocks is not None or not recomputing):
             raise ValueError("Cannot fork a sequence without a computed prefix")
         fork = Sequence(
