@@ -1,6 +1,6 @@
 """The decode step's kernels alone, with the alternatives each could run as (one device call).
 
-    python benchmarks/gpu_decode_kernels.py
+    python benchmarks/gpu_decode_kernels.py [--attention-only]
 
 On the Llama-3.1-8B shapes at batch 64 and 256 (and at the 8,192 and 8,191 rows of a prefill
 step): each linear layer through cuBLAS, cuBLASLt and
@@ -99,6 +99,8 @@ def main() -> None:
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
     for batch in (64, 256):  # first: an error TunableOp leaves behind would fail every later launch
         attention_variants(batch)
+    if "--attention-only" in sys.argv:
+        return
     for rows in (8192, 8191):  # a 4 x 2048 and a 1 x 8191 prefill step
         totals = linear_variants(rows, tflops=True)
         log(f"  M={rows} one layer's linears: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in totals.items()))

@@ -1,6 +1,6 @@
 """An experiment for issue 29's prefill target: the gate/up GEMM with SiLU-and-mul in its epilogue.
 
-    python benchmarks/gpu_gemm_silu.py [--rows 8192,2048]
+    python benchmarks/gpu_gemm_silu.py [--rows 8192,256,64]
 
 A 4 x 2048 prefill step of the 8B shape spends about 7 ms on SiLU-and-mul (``triton_ops.
 silu_and_mul``: it reads the gate/up GEMM's [M, 2 x 14,336] output back and writes half of it,
@@ -51,6 +51,8 @@ if triton_ops.HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr,
+        FLATTEN: tl.constexpr,
+        WARP_SPECIALIZE: tl.constexpr,
     ):
         """Tiles of ``out`` [M, I] = silu(x @ w[:I].T) * (x @ w[I:].T), ``GROUP_M`` row tiles
         after each other on one column tile (its weights stay in L2), each program taking every
@@ -58,7 +60,9 @@ if triton_ops.HAS_TRITON:
         num_m = tl.cdiv(m, BLOCK_M)
         num_n = tl.cdiv(inter, BLOCK_N)
         per_group = GROUP_M * num_n
-        for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS):
+        for tile in tl.range(
+            tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
+        ):
             first_m = (tile // per_group) * GROUP_M
             size_m = tl.minimum(num_m - first_m, GROUP_M)
             row = (first_m + (tile % per_group) % size_m) * BLOCK_M
@@ -100,6 +104,8 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, cfg: dict, num_programs: int)
         BLOCK_N=bn,
         BLOCK_K=bk,
         GROUP_M=cfg.get("group_m", 8),
+        FLATTEN=cfg.get("flatten", False),
+        WARP_SPECIALIZE=cfg.get("ws", False),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -112,6 +118,18 @@ CONFIGS = (
     {"block_m": 128, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 4},
     {"block_m": 128, "block_n": 64, "block_k": 64, "num_warps": 8, "num_stages": 5},
     {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4},
+    {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "flatten": True, "ws": True},
+    {"block_m": 128, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 4, "flatten": True, "ws": True},
+)
+# decode row counts (64, 256): fewer rows than one 128-row tile or two, so narrower tiles and
+# deeper pipelines (the weights are streamed once; what matters is keeping loads in flight)
+SMALL_M_CONFIGS = (
+    {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4},
+    {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 6},
+    {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4},
+    {"block_m": 128, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 5},
+    {"block_m": 64, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 5},
+    {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "flatten": True, "ws": True},
 )
 
 
@@ -130,7 +148,7 @@ def interpret_check() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--rows", default="8192,2048")
+    p.add_argument("--rows", default="8192,256,64")
     p.add_argument("--interpret", action="store_true")
     args = p.parse_args()
     if args.interpret:
@@ -144,6 +162,8 @@ def main() -> None:
     w = torch.randn(2 * inter, k, device="cuda", dtype=torch.bfloat16) * 0.02
     for m in (int(r) for r in args.rows.split(",")):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        # the engine's libraries: cuBLAS for eager prefill, cuBLASLt in the decode graphs
+        torch.backends.cuda.preferred_blas_library("cublaslt" if m <= 512 else "cublas")
         flops = 2 * m * k * 2 * inter
         ref = triton_ops.silu_and_mul(F.linear(x, w))
         gemm = graph_timed(lambda x=x: F.linear(x, w))
@@ -151,7 +171,7 @@ def main() -> None:
         log(
             f"M={m}: cuBLAS GEMM {gemm * 1e6:.0f} us ({flops / gemm / 1e12:.0f} TFLOP/s); with silu_and_mul {pair * 1e6:.0f} us"
         )
-        for cfg in CONFIGS:
+        for cfg in CONFIGS if m > 512 else SMALL_M_CONFIGS:
             try:
                 out = gate_up_silu(x, w, cfg, num_sms)
                 bad = (out != ref).float().mean().item()
