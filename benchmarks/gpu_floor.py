@@ -10,6 +10,9 @@ and then all together (the code before them):
 - ``fresh``: fresh prompts' prefill attention through tensor descriptors (``triton_prefill``);
 - ``decode-kv``: at decode, the rotary embedding and the KV write inside the attention kernel
   (``decode_attention(rotary=...)``; off: ``rotary_write_kv`` then the attention).
+``+silu-gemm`` instead switches on an experiment the engine leaves off: the gate/up GEMM with
+SiLU-and-mul in its epilogue (``layers/triton_gate_up.py``; ``--silu-configs`` takes its launch
+settings from ``gpu_gemm_silu.py --best``).
 Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
 attention kernels alone, with launch settings around the chosen ones.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import sys
 import time
 from pathlib import Path
@@ -39,23 +43,26 @@ from benchmarks.gpu_speed import (  # noqa: E402
 )
 from pdinfer import LLM, SamplingParams  # noqa: E402
 from pdinfer.engine.speculative import decode_graph_rows  # noqa: E402
+from pdinfer.layers import triton_gate_up  # noqa: E402
 from pdinfer.layers.attention import triton_paged as tp  # noqa: E402
 from pdinfer.layers.attention import triton_prefill  # noqa: E402
 
 
 @contextlib.contextmanager
 def variant(off: set[str]):
-    """The named changes switched off for the block (module switches; graphs recaptured)."""
+    """The named changes switched off for the block, and ``+silu-gemm`` (an experiment, off in
+    the engine) switched on (module switches; graphs recaptured)."""
     backend = tp.TritonPagedAttention
-    saved = (backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported)
+    saved = (backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED)
     backend.fuses_rotary = "rotary+kv" not in off
     backend.decode_writes_kv = "decode-kv" not in off
+    triton_gate_up.ENABLED = "+silu-gemm" in off
     if "fresh" in off:
         tp.fresh_prefill_supported = lambda q, k, v: False
     try:
         yield
     finally:
-        backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported = saved
+        backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED = saved
 
 
 def compiled_kernels() -> dict[str, int]:
@@ -290,7 +297,15 @@ def main() -> None:
         help="PyTorch's TunableOp times the BLAS algorithms of every GEMM shape the engine meets while "
         "it starts (the KV profile's prefill, the graph captures) and keeps the fastest",
     )
+    parser.add_argument(
+        "--silu-configs",
+        help="JSON of gpu_gemm_silu.py --best: launch settings of +silu-gemm for large and small row counts",
+    )
     args = parser.parse_args()
+    if args.silu_configs and Path(args.silu_configs).exists():
+        best = json.loads(Path(args.silu_configs).read_text())
+        triton_gate_up.LARGE_M.update(best.get("large", {}))
+        triton_gate_up.SMALL_M.update(best.get("small", {}))
     skip = set(filter(None, args.skip.split(",")))
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d %H:%M')}")
     import triton
@@ -325,6 +340,7 @@ def main() -> None:
         "-fresh": {"fresh"},
         "-decode-kv": {"decode-kv"},
         "old": {"rotary+kv", "fresh", "decode-kv"},
+        "+silu-gemm": {"+silu-gemm"},  # the gate/up GEMM with SiLU-and-mul in its epilogue
     }
     reference = None
     labels = []  # a variant named again (to alternate) gets its turn's number

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdinfer.layers import cpu_kernels
+from pdinfer.layers import cpu_kernels, triton_gate_up
 from pdinfer.layers.attention.metadata import AttentionMetadata
 from pdinfer.layers.attention.torch_paged import TorchPagedAttention
 from pdinfer.layers.attention.triton_paged import GpuAttentionMetadata, TritonPagedAttention
@@ -129,6 +129,8 @@ class MLP(nn.Module):
             # small enough for glibc to reuse (32 MiB and up is a fresh, page-faulting mmap).
             return torch.cat([self(part) for part in x.split(MLP_CHUNK_ROWS)])
         if (ops := _fused_ops(x)) is not None:
+            if x.is_cuda and triton_gate_up.applies(self.gate_up_proj, x):
+                return self.down_proj(triton_gate_up.mlp_gate_up_silu(self.gate_up_proj, x))
             return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))

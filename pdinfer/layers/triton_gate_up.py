@@ -1,0 +1,144 @@
+"""The MLP's gate/up GEMM with SiLU-and-mul in its epilogue, for CUDA (an experiment, off by default).
+
+An 8B layer's MLP runs ``down(silu_and_mul(x @ w_gate_up.T))``: the GEMM writes [M, 2 I] and
+``triton_ops.silu_and_mul`` reads it back to write [M, I], a pass over memory at the copy rate
+(about 7 ms of a 4 x 2048 prefill step on an H100, 7 us a layer of a batch-256 decode step).
+``gate_up_silu`` computes a gate tile and the matching up tile in one program (the same rows of
+``x`` feed both dots) and stores ``silu(gate) * up`` only. It is a persistent Triton GEMM over
+tensor descriptors (TMA), so it pays only where it runs within a few per cent of cuBLAS:
+``benchmarks/gpu_gemm_silu.py`` times it against the pair, ``benchmarks/gpu_floor.py`` in the
+engine (variant ``+silu-gemm``). ``ENABLED`` stays False until a device run shows the engine
+faster with it (docs/performance.md, "Measurements behind design choices").
+
+Rounding is the pair's: the GEMM's float32 sums rounded to the model's dtype, then ``silu``,
+then the product, each rounded as ``silu_and_mul`` does; only the GEMM's order of summation is
+Triton's instead of cuBLAS's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from pdinfer.layers.triton_ops import HAS_TRITON, tl, triton
+
+ENABLED = False  # the engine's switch (``applies``); benchmarks turn it on to compare
+
+# Launch settings by row count: prefill-sized steps take 128 x 128 tiles (a gate and an up
+# accumulator: a 128 x 256 product a program, cuBLAS's shape on Hopper); decode steps of a few
+# hundred rows narrower ones, so that the weight streams through every multiprocessor.
+LARGE_M = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
+SMALL_M = {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
+SMALL_M_ROWS = 512
+
+if HAS_TRITON:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    @triton.jit
+    def gate_up_silu_kernel(
+        x_desc,
+        w_desc,
+        out_desc,
+        m,
+        inter,
+        k,
+        NUM_PROGRAMS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        FLATTEN: tl.constexpr,
+        WARP_SPECIALIZE: tl.constexpr,
+    ):
+        """Tiles of ``out`` [M, I] = silu(x @ w[:I].T) * (x @ w[I:].T), ``GROUP_M`` row tiles
+        after each other on one column tile (its weights stay in L2), each program taking every
+        NUM_PROGRAMS-th tile."""
+        num_m = tl.cdiv(m, BLOCK_M)
+        num_n = tl.cdiv(inter, BLOCK_N)
+        per_group = GROUP_M * num_n
+        for tile in tl.range(
+            tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
+        ):
+            first_m = (tile // per_group) * GROUP_M
+            size_m = tl.minimum(num_m - first_m, GROUP_M)
+            row = (first_m + (tile % per_group) % size_m) * BLOCK_M
+            col = ((tile % per_group) // size_m) * BLOCK_N
+            acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, k, BLOCK_K):
+                a = x_desc.load([row, k0])
+                acc_gate = tl.dot(a, w_desc.load([col, k0]).T, acc_gate)
+                acc_up = tl.dot(a, w_desc.load([inter + col, k0]).T, acc_up)
+            dtype = out_desc.dtype
+            # the pair's rounding: the GEMM's output, silu(gate), then the product, each in dtype
+            gate = acc_gate.to(dtype).to(tl.float32)
+            up = acc_up.to(dtype).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            out_desc.store([row, col], (act * up).to(dtype))
+
+
+def gate_up_silu(x: torch.Tensor, w: torch.Tensor, num_programs: int, cfg: dict | None = None) -> torch.Tensor:
+    """``silu_and_mul(x @ w.T)`` for ``w`` [2 I, K] (gate rows, then up rows) in one kernel of at
+    most ``num_programs`` programs (the device's multiprocessors); ``cfg``: launch settings,
+    by default ``LARGE_M`` or ``SMALL_M`` by the row count."""
+    m, k = x.shape
+    inter = w.shape[0] // 2
+    if cfg is None:
+        cfg = SMALL_M if m <= SMALL_M_ROWS else LARGE_M
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, bk])
+    w_desc = TensorDescriptor(w, [2 * inter, k], [w.stride(0), 1], [bn, bk])
+    out_desc = TensorDescriptor(out, [m, inter], [out.stride(0), 1], [bm, bn])
+    tiles = triton.cdiv(m, bm) * triton.cdiv(inter, bn)
+    programs = min(num_programs, tiles)
+    gate_up_silu_kernel[(programs,)](
+        x_desc,
+        w_desc,
+        out_desc,
+        m,
+        inter,
+        k,
+        NUM_PROGRAMS=programs,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=cfg.get("group_m", 8),
+        FLATTEN=cfg.get("flatten", False),
+        WARP_SPECIALIZE=cfg.get("ws", False),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+@functools.cache
+def multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def mlp_gate_up_silu(gate_up: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's ``silu_and_mul(gate_up(x))`` through ``gate_up_silu`` (``applies`` holds)."""
+    return gate_up_silu(x, gate_up.weight, multiprocessors(x.device.index or 0))
+
+
+def applies(gate_up: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the MLP's ``gate_up`` linear on ``x`` takes ``gate_up_silu``: switched on, a plain
+    bias-free ``nn.Linear`` (not a batch-invariant, FP8 or packed one) in 16-bit floats on CUDA,
+    with rows and weight that tensor descriptors can address (16-byte aligned, unit stride)."""
+    if not (ENABLED and HAS_TRITON and type(gate_up) is nn.Linear and gate_up.bias is None):
+        return False
+    w = gate_up.weight
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and w.dtype == x.dtype
+        and x.stride(-1) == 1
+        and w.stride(-1) == 1
+        and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, w))
+    )
