@@ -99,6 +99,24 @@ def test_silu_and_mul():
     assert rel_err(triton_ops.silu_and_mul(x), ref) < 1e-6
 
 
+@pytest.mark.parametrize("m, inter, k", [(40, 48, 32), (16, 16, 64), (3, 80, 48)])
+def test_gate_up_gemm_with_silu_epilogue_is_the_pair(m, inter, k):
+    """``triton_gate_up.gate_up_silu`` equals the GEMM then ``silu_and_mul``: float16 tiles with
+    rows past M and columns past I (partial tiles), more tiles than programs (the persistent
+    loop), the gate and up halves of one weight."""
+    from pdinfer.layers import triton_gate_up
+
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).half()
+    w = (torch.randn(2 * inter, k, generator=g) * 0.1).half()
+    cfg = {"block_m": 16, "block_n": 16, "block_k": 16, "num_warps": 4, "num_stages": 2, "group_m": 2}
+    out = triton_gate_up.gate_up_silu(x, w, 5, cfg)
+    gate_up = (x.double() @ w.double().T).half()  # the GEMM's output, rounded as cuBLAS stores it
+    ref = triton_ops.silu_and_mul(gate_up.float())
+    assert out.dtype == torch.float16 and out.shape == (m, inter)
+    assert rel_err(out, ref) < 2e-3  # float16 rounding of the three steps, not a wrong tile
+
+
 # --- paged attention ----------------------------------------------------------------------------
 NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 96, 3, 4, 2, 32
 
