@@ -7,9 +7,10 @@ Free blocks are reused least-recently-freed first, so popular prefixes stay long
 
 from __future__ import annotations
 
-import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence as IntSequence
+from hashlib import blake2b
 
 from pdinfer.sequence import Sequence
 
@@ -19,11 +20,20 @@ def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
 
     Stable across processes and hosts (the KV store and the router rely on that).
     """
-    return _chain_hash_bytes(parent, array("q", token_ids).tobytes())
+    return blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
-def _chain_hash_bytes(parent: bytes, block: bytes) -> bytes:
-    return hashlib.blake2b(parent + block, digest_size=16).digest()
+def chain_hashes(parent: bytes, token_ids: IntSequence[int], block_size: int) -> list[bytes]:
+    """``chain_hash`` of each full block of ``token_ids`` in turn, the first one's parent being
+    ``parent`` (a partial last block is left out). One conversion to bytes and one call per
+    block: a 2,048-token prompt has 128 blocks."""
+    raw = array("q", token_ids).tobytes()
+    width = 8 * block_size
+    hashes = []
+    for start in range(0, len(raw) - width + 1, width):
+        parent = blake2b(parent + raw[start : start + width], digest_size=16).digest()
+        hashes.append(parent)
+    return hashes
 
 
 ROOT_HASH = b"pdinfer-kv-root!"
@@ -59,34 +69,40 @@ class BlockManager:
         """Take ``count`` blocks (reference 1 each); raises if fewer are free."""
         if count > self.num_free_blocks:
             raise RuntimeError(f"asked for {count} KV blocks, {self.num_free_blocks} free")
-        return [self._take_free_block() for _ in range(count)]
+        # One loop over local names: a 2,048-token prompt takes 128 blocks.
+        free, ref_counts, block_hash, hash_to_block = (
+            self.free_block_ids,
+            self.ref_counts,
+            self.block_hash,
+            self.hash_to_block,
+        )
+        block_ids = []
+        for _ in range(count):
+            block_id, _ = free.popitem(last=False)
+            old = block_hash[block_id]
+            if old is not None:  # a cached block is reused: its prefix is no longer cached
+                if hash_to_block.get(old) == block_id:
+                    del hash_to_block[old]
+                block_hash[block_id] = None
+            ref_counts[block_id] = 1
+            block_ids.append(block_id)
+        return block_ids
 
     def free_blocks(self, block_ids: list[int]) -> None:
+        """Drop a reference to each block; a block whose last reference goes becomes free."""
+        free, ref_counts = self.free_block_ids, self.ref_counts
         # Tail blocks first: they are the least likely to be shared by a later prefix.
         for block_id in reversed(block_ids):
-            self._decref(block_id)
-
-    def _take_free_block(self) -> int:
-        block_id, _ = self.free_block_ids.popitem(last=False)
-        old = self.block_hash[block_id]
-        if old is not None:
-            if self.hash_to_block.get(old) == block_id:
-                del self.hash_to_block[old]
-            self.block_hash[block_id] = None
-        self.ref_counts[block_id] = 1
-        return block_id
+            if ref_counts[block_id] <= 0:
+                raise RuntimeError(f"block {block_id} freed twice")
+            ref_counts[block_id] -= 1
+            if ref_counts[block_id] == 0:
+                free[block_id] = None
 
     def _incref(self, block_id: int) -> None:
         if self.ref_counts[block_id] == 0:
             del self.free_block_ids[block_id]
         self.ref_counts[block_id] += 1
-
-    def _decref(self, block_id: int) -> None:
-        if self.ref_counts[block_id] <= 0:
-            raise RuntimeError(f"block {block_id} freed twice")
-        self.ref_counts[block_id] -= 1
-        if self.ref_counts[block_id] == 0:
-            self.free_block_ids[block_id] = None
 
     # --- prefix caching --------------------------------------------------------------------
     def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
@@ -97,13 +113,8 @@ class BlockManager:
         first = len(hashes)
         if first >= num_full:
             return
-        # the blocks' bytes in one conversion (a 2,048-token prompt: 128 blocks), as chain_hash has them
-        raw = array("q", seq.token_ids[first * bs : num_full * bs]).tobytes()
-        width = 8 * bs
         parent = hashes[-1] if hashes else ROOT_HASH
-        for j in range(num_full - first):
-            parent = _chain_hash_bytes(parent, raw[j * width : (j + 1) * width])
-            hashes.append(parent)
+        hashes.extend(chain_hashes(parent, seq.token_ids[first * bs : num_full * bs], bs))
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of ``seq``; at least one token stays to compute."""
@@ -128,14 +139,16 @@ class BlockManager:
         # Newest first, stopping at the first published block: blocks fill in order and every
         # step publishes those that filled, so a decode step looks at one block, not all of
         # them. (A block left out because another block held its hash stays out.)
+        table, hashes = seq.block_table, seq.block_hashes
+        block_hash, hash_to_block = self.block_hash, self.hash_to_block  # a prompt: 128 blocks
         for i in range(covered // self.block_size - 1, -1, -1):
-            block_id = seq.block_table[i]
-            if self.block_hash[block_id] is not None:
+            block_id = table[i]
+            if block_hash[block_id] is not None:
                 break
-            h = seq.block_hashes[i]
-            if h not in self.hash_to_block:
-                self.hash_to_block[h] = block_id
-                self.block_hash[block_id] = h
+            h = hashes[i]
+            if h not in hash_to_block:
+                hash_to_block[h] = block_id
+                block_hash[block_id] = h
 
     def hash_full_blocks(self, seq: Sequence, num_tokens: int) -> list[bytes]:
         """Chained hashes of the sequence's full blocks of known tokens up to ``num_tokens``."""
@@ -221,7 +234,7 @@ class BlockManager:
         contents the runner copies before the step writes. The old block keeps its hash."""
         block_id = seq.block_table[index]
         new_block = self.allocate_blocks(1)[0]
-        self._decref(block_id)
+        self.free_blocks([block_id])
         seq.block_table[index] = new_block
         return block_id, new_block
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pdinfer.config import EngineArgs, SchedulerConfig, default_kv_cache_memory_bytes
@@ -361,7 +362,8 @@ class LLMEngine:
             raise ValueError(message) from e
         if not ids:
             raise ValueError("the prompt is empty")
-        if min(ids) < 0 or max(ids) >= vocab:
+        values = np.frombuffer(ids, dtype=np.int64)  # the range without an int object per token
+        if values.min() < 0 or values.max() >= vocab:
             raise ValueError(message)
         return ids.tolist()
 
