@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
 
-from pdinfer.core.block_manager import ROOT_HASH, chain_hash
+from pdinfer.core.block_manager import ROOT_HASH, chain_hashes
 
 MEMORY = "memory"  # EngineArgs.kv_store value for a memory-only store
 DEFAULT_DIRECTORY_BYTES = 16 << 30
@@ -131,12 +131,7 @@ class KVStore(ABC):
 
 def prefix_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
     """Chained hashes of the first ``num_blocks`` full blocks (the block manager's keys)."""
-    hashes: list[bytes] = []
-    parent = ROOT_HASH
-    for i in range(min(num_blocks, len(token_ids) // block_size)):
-        parent = chain_hash(parent, list(token_ids[i * block_size : (i + 1) * block_size]))
-        hashes.append(parent)
-    return hashes
+    return chain_hashes(ROOT_HASH, token_ids[: max(0, num_blocks) * block_size], block_size)
 
 
 def layout_namespace(layout) -> str:

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from pdinfer.core.block_manager import ROOT_HASH, chain_hash
+from pdinfer.core.block_manager import ROOT_HASH, chain_hashes
 
 BLOCK_SIZE_TOKENS = 16
 BUCKET_BOUNDS_TOKENS = (512, 2048, 8192)  # bucket i holds prompts shorter than bound i
@@ -47,11 +47,7 @@ def bucket_of(num_tokens: int) -> int:
 
 def block_hashes(token_ids: list[int], block_size: int = BLOCK_SIZE_TOKENS) -> list[bytes]:
     """Chained hashes of the full blocks of ``token_ids`` (the engines' prefix-cache keys)."""
-    hashes, parent = [], ROOT_HASH
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_hash(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
+    return chain_hashes(ROOT_HASH, token_ids, block_size)
 
 
 class PrefixIndex:
