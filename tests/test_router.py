@@ -15,6 +15,7 @@ import pytest
 import surface_checks
 import tool_checks
 from conftest import PROMPTS
+from fake_engines import FakeCE, ScriptedEngine
 from openai_errors import assert_openai_error, check_malformed_inputs, post_json
 from servers import Server, free_port
 
@@ -518,94 +519,11 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-class _ScriptedEngine:
-    """A NORMAL engine's HTTP surface on a real socket, answering POSTs from a script: "drop"
-    closes the connection without an answer (what a pooled keep-alive connection the engine
-    just closed looks like to the router), "ok" answers a completion, "busy" a 503 with
-    Retry-After. /health and /v1/models answer as an engine does."""
-
-    def __init__(self, script: list[str]):
-        self.script = list(script)
-        self.posts = 0
-        self.loop = asyncio.new_event_loop()
-        self.port = free_port()
-        started = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
-        self.thread.start()
-        started.wait(10)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _run(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
-        started.set()
-        self.loop.run_forever()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        import json
-
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            method, path = head.split(b" ")[:2]
-            length = next(
-                (
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
-                ),
-                0,
-            )
-            await reader.readexactly(length)
-            headers: dict[str, str] = {}
-            if method == b"GET":
-                if path == b"/v1/models":
-                    body = {"data": [{"id": MODEL, "max_model_len": 1024}]}
-                else:
-                    body = {"status": "ok", "role": "normal"}
-                status = 200
-            else:
-                self.posts += 1
-                action = self.script.pop(0) if self.script else "ok"
-                if action == "drop":
-                    writer.close()
-                    return
-                if action == "busy":
-                    status, headers = 503, {"Retry-After": "7"}
-                    body = {
-                        "error": {
-                            "message": "the engine is busy",
-                            "type": "server_overloaded",
-                            "param": None,
-                            "code": "overloaded",
-                        }
-                    }
-                else:
-                    status = 200
-                    body = {
-                        "id": "x",
-                        "object": "text_completion",
-                        "created": 0,
-                        "model": MODEL,
-                        "choices": [{"index": 0, "text": "scripted", "logprobs": None, "finish_reason": "stop"}],
-                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-                    }
-            payload = json.dumps(body).encode()
-            extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-            writer.write(
-                f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n{extra}\r\n".encode()
-                + payload
-            )
-            await writer.drain()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 def test_a_connection_dropped_before_the_answer_is_retried_and_a_refusal_is_relayed(tmp_path):
     """A NORMAL engine that drops one connection without answering keeps its place in rotation
     and the request succeeds on a new connection; an engine that answers 503 with Retry-After
     has that answer relayed as it is when no other engine can take the request."""
-    engine = _ScriptedEngine(["drop", "ok", "busy"])
+    engine = ScriptedEngine(["drop", "ok", "busy"])
     router = Server(["router", "--normal", engine.url, "--health-interval-s", "0.5"], tmp_path / "router.log")
     try:
         router.start()
@@ -619,3 +537,75 @@ def test_a_connection_dropped_before_the_answer_is_retried_and_a_refusal_is_rela
     finally:
         router.stop()
         engine.stop()
+
+
+# --- a real PE, a scripted CE: what the engines hear when a client leaves ---------------------------
+@pytest.fixture(scope="module")
+def fake_ce_router(cluster):
+    """The cluster's PE and a ``FakeCE`` behind a router of their own (one attempt)."""
+    ce = FakeCE()
+    pe = cluster["pe"]
+    router = Server(
+        ["router", "--prefill", pe.url, "--decode", ce.url, "--max-attempts", "1", "--health-interval-s", "0.5"],
+        cluster["tmp"] / "fake_ce_router.log",
+    )
+    try:
+        router.start()
+        wait_for(lambda: all(e["healthy"] for e in engines_seen(router.url)), "the fake CE in rotation")
+        yield router, ce, pe
+    finally:
+        router.stop()
+        ce.stop()
+
+
+def _leave_after(url: str, stream: bool, seconds: float) -> None:
+    """A client that sends a completion request and goes away ``seconds`` later."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as resp:
+            assert resp.status_code == 200
+            time.sleep(seconds)
+        return
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=seconds)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_client_that_leaves_during_the_prefill_makes_the_pe_abort_it(fake_ce_router, stream):
+    """The PE holds the request (its handshake with the CE takes 10 s) when the client leaves:
+    the router closes the CE's stream and the PE's connection, and the PE aborts the request at
+    once. Without that it would end it with an error when the handshake timed out, as nobody's
+    prefill; an abort is counted only for the former."""
+    router, ce, pe = fake_ce_router
+    ce.mode = "reserve"
+    aborted, closed = pe.kv()["num_aborted"], ce.closed
+    _leave_after(router.url, stream, 1.5)
+    wait_for(lambda: ce.closed > closed, "the router to close the CE's stream", timeout_s=10)
+    wait_for(lambda: pe.kv()["num_aborted"] > aborted, "the PE to abort the prefill", timeout_s=8)
+    kv = pe.wait_blocks_back()
+    assert kv["free_blocks"] == kv["total_blocks"]
+
+
+def test_a_client_that_leaves_before_the_reservation_closes_the_ce_stream(fake_ce_router):
+    """The CE answered /pd/decode but its reservation has not come when the client leaves: the
+    router closes that stream (else the CE would hold the reservation until its timeout)."""
+    router, ce, _ = fake_ce_router
+    ce.mode = "silent"
+    closed = ce.closed
+    _leave_after(router.url, False, 1.5)
+    wait_for(lambda: ce.closed > closed, "the router to close the CE's stream", timeout_s=10)
+
+
+def test_a_request_the_ce_finished_before_the_pe_answered_is_not_aborted_on_the_pe(fake_ce_router):
+    """The CE's output can be complete before its ack reaches the PE: the router then keeps the
+    PE's connection open until the PE answers, and the PE, which aborts a prefill whose router
+    left, carries on. (Here the CE finishes the request once the PE holds it, in its 10 s
+    handshake with the CE.)"""
+    router, ce, pe = fake_ce_router
+    ce.mode = "finish"
+    aborted = pe.kv()["num_aborted"]
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1, "return_token_ids": True}
+    resp = httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["token_ids"] == [87], resp.text
+    time.sleep(3)  # the PE checks its connection every 0.5 s
+    assert pe.kv()["num_aborted"] == aborted

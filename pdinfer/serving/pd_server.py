@@ -9,12 +9,13 @@ import time
 from collections.abc import AsyncIterator
 
 import msgspec
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from pdinfer.engine.client import EngineClient, EngineDeadError, EngineOverloadedError
 from pdinfer.engine.pd_common import NoRoomError
 from pdinfer.kv_transfer.connector import HandshakeError
+from pdinfer.serving.frontend import run_unless_disconnected
 from pdinfer.serving.pd_protocol import (
     DecodeEvent,
     DecodeRequest,
@@ -67,10 +68,11 @@ class PDEndpoints:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def prefill(self, body: PrefillRequest) -> dict:
-        """PE: prefill, push K/V + first token to the reserving CE, answer once it confirmed.
-        The router closes this connection once the CE's output is complete, which may come
-        before the CE's ack reaches the PE: so a closed connection is no reason to abort."""
+    async def prefill(self, body: PrefillRequest, request: Request) -> dict:
+        """PE: prefill, push K/V + first token to the reserving CE, answer once it confirmed. If
+        the router goes away first (its client left, or the attempt failed), the request is
+        aborted: no prefill for nobody, its blocks back at once. (The router keeps this
+        connection open until the answer even when the CE's output is complete before it.)"""
         self._require("prefill")
         try:
             reservation = body.parsed_reservation()
@@ -78,9 +80,13 @@ class PDEndpoints:
             raise bad_request(f"invalid reservation: {exc}") from None
         start = time.monotonic()
         stream = await self._add(body, apply_stops=False, reservation=reservation)
-        try:
+
+        async def drain() -> None:
             async for _ in stream:
                 pass
+
+        try:
+            await run_unless_disconnected(request, drain())
         except EngineDeadError as exc:
             raise APIError(503, str(exc), type="server_error", code="engine_dead") from None
         finally:

@@ -430,6 +430,7 @@ class Router:
             yield
         finally:
             health.cancel()
+            await self.driver.close()
             await self.client.aclose()
 
 

@@ -4,10 +4,13 @@ An attempt: reserve on the CE the decode balancer ranks first (503 no room: the 
 full: wait and try again, up to ``queue_timeout_s``), pick a PE, POST the prefill while reading
 the CE's stream, relay the CE's deltas. Until a token went to the client, a failure of either
 engine (connection refused or broken, 5xx, a CE stream that ends early, a request the CE
-finished with an error) makes a new attempt elsewhere: the failed CE stream is closed, which
-makes the CE abort the reservation. Once a token went out, a failure ends the request with an
-error event. ``max_attempts`` bounds the attempts; 4xx answers are the request's fault and end
-it at once.
+finished with an error) makes a new attempt elsewhere: the failed CE stream and the PE's
+connection are closed, which makes the CE abort the reservation and the PE its prefill (so
+does a client that leaves). Once a token went out, a failure ends the request with an error
+event. ``max_attempts`` bounds the attempts; 4xx answers are the request's fault and end it at
+once. A request that succeeded leaves the PE's answer to come in the background: the CE's
+output can be complete before the CE's ack reached the PE, and closing the connection then
+would make the PE abort a hand-off that went through.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pdinfer.serving.router_pool import EnginePool, RouterMetrics
 logger = logging.getLogger("pdinfer")
 
 _NO_ROOM_BACKOFF_S = 0.05
+_BACKGROUND_GRACE_S = 2.0  # at shutdown, how long PE answers still to come may take
 
 
 class Retry(Exception):
@@ -92,6 +96,21 @@ class PDDriver:
         self.max_attempts = max_attempts
         self.queue_timeout_s = queue_timeout_s
         self.engine_timeout_s = engine_timeout_s
+        self._background: set[asyncio.Future] = set()  # PE answers still to come (``_keep``)
+
+    def _keep(self, task: asyncio.Future) -> None:
+        """Let ``task`` run on after its attempt, held here (the loop keeps only a weak reference)."""
+        if not task.done():
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def close(self, grace_s: float = _BACKGROUND_GRACE_S) -> None:
+        """At shutdown: give the PE answers still to come ``grace_s``, then cancel the rest."""
+        if self._background:
+            _, pending = await asyncio.wait(set(self._background), timeout=grace_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def drive(self, job: PDJob) -> None:
         """Run ``job`` to its end; every outcome, failures included, lands on its queue."""
@@ -141,20 +160,24 @@ class PDDriver:
         ce = decode.engine
         prefill = self.prefill_lb.pick(job.token_ids, exclude=excluded)
         events: asyncio.Queue = asyncio.Queue()
-        tasks = []
+        reader = prefilling = None
         try:
             if prefill is None:
                 raise APIError(503, "no prefill engine is available", type="server_error", code="no_prefill_engine")
             self.metrics.routed.labels(engine=ce.url, role=ce.role).inc()
             self.metrics.routed.labels(engine=prefill.engine.url, role="prefill").inc()
-            tasks = [
-                asyncio.ensure_future(self._read(ce, lines, events)),
-                asyncio.ensure_future(self._prefill(prefill, body, reservation, events)),
-            ]
+            reader = asyncio.ensure_future(self._read(ce, lines, events))
+            prefilling = asyncio.ensure_future(self._prefill(prefill, body, reservation, events))
             await self._relay(job, ce, decode, events)
+            # The CE's output can be complete before its ack reached the PE, and a PE aborts a
+            # prefill whose connection closed: so the PE's answer is awaited in the background.
+            self._keep(prefilling)
+            prefilling = None
         finally:
-            for task in tasks:
-                task.cancel()
+            if reader is not None:
+                reader.cancel()
+            if prefilling is not None:
+                prefilling.cancel()  # a failure, or the client left: the PE aborts the request
             if prefill is not None:
                 prefill.release()
             decode.release()
@@ -194,12 +217,20 @@ class PDDriver:
             self.pool.eject(ce, f"/pd/decode failed ({exc})")
             excluded.add(ce.url)
             return None
+        reserved = None
+        try:
+            reserved = await self._read_reservation(ce, response, excluded)
+            return reserved
+        finally:
+            if reserved is None:  # a refusal, a broken stream, or cancelled while waiting for it
+                response.close()  # the CE aborts whatever it reserved
+
+    async def _read_reservation(self, ce: Engine, response: upstream.UpstreamResponse, excluded: set[str]):
         if response.status_code != 200:
             try:
                 error, code = _error(response, await response.read())
             except upstream.UpstreamError as exc:
                 error, code = str(exc), None
-            response.close()
             if response.status_code == 503 and code == "no_room":
                 return None  # back-pressure: the next CE, or wait
             if 400 <= response.status_code < 500:
@@ -215,7 +246,6 @@ class PDDriver:
                 return response, lines, reservation
         except (upstream.UpstreamError, ValueError) as exc:
             logger.warning("router: no reservation from %s: %r", ce.url, exc)
-        response.close()
         self.pool.eject(ce, "its /pd/decode stream broke before the reservation")
         excluded.add(ce.url)
         return None
