@@ -10,10 +10,9 @@ and then all together (the code before them):
 - ``fresh``: fresh prompts' prefill attention through tensor descriptors (``triton_prefill``);
 - ``decode-kv``: at decode, the rotary embedding and the KV write inside the attention kernel
   (``decode_attention(rotary=...)``; off: ``rotary_write_kv`` then the attention).
-``+silu-gemm`` and ``+residual-gemm`` instead switch on experiments the engine leaves off (both:
-``+both``): the gate/up GEMM with SiLU-and-mul in its epilogue (``layers/triton_gate_up.py``;
-``--silu-configs`` takes its launch settings from ``gpu_gemm_silu.py --best``), and o_proj and
-down_proj adding the residual stream in their epilogue (``llama.GEMM_ADDS_RESIDUAL``).
+``+silu-gemm`` instead switches on an experiment the engine leaves off: the gate/up GEMM with
+SiLU-and-mul in its epilogue (``layers/triton_gate_up.py``; ``--silu-configs`` takes its launch
+settings from ``gpu_gemm_silu.py --best``).
 Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
 attention kernels alone, with launch settings around the chosen ones.
 """
@@ -47,7 +46,6 @@ from pdinfer.engine.speculative import decode_graph_rows  # noqa: E402
 from pdinfer.layers import triton_gate_up  # noqa: E402
 from pdinfer.layers.attention import triton_paged as tp  # noqa: E402
 from pdinfer.layers.attention import triton_prefill  # noqa: E402
-from pdinfer.models import llama  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -55,29 +53,16 @@ def variant(off: set[str]):
     """The named changes switched off for the block, and ``+silu-gemm`` (an experiment, off in
     the engine) switched on (module switches; graphs recaptured)."""
     backend = tp.TritonPagedAttention
-    saved = (
-        backend.fuses_rotary,
-        backend.decode_writes_kv,
-        tp.fresh_prefill_supported,
-        triton_gate_up.ENABLED,
-        llama.GEMM_ADDS_RESIDUAL,
-    )
+    saved = (backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED)
     backend.fuses_rotary = "rotary+kv" not in off
     backend.decode_writes_kv = "decode-kv" not in off
     triton_gate_up.ENABLED = "+silu-gemm" in off
-    llama.GEMM_ADDS_RESIDUAL = "+residual-gemm" in off
     if "fresh" in off:
         tp.fresh_prefill_supported = lambda q, k, v: False
     try:
         yield
     finally:
-        (
-            backend.fuses_rotary,
-            backend.decode_writes_kv,
-            tp.fresh_prefill_supported,
-            triton_gate_up.ENABLED,
-            llama.GEMM_ADDS_RESIDUAL,
-        ) = saved
+        backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED = saved
 
 
 def compiled_kernels() -> dict[str, int]:
@@ -356,8 +341,6 @@ def main() -> None:
         "-decode-kv": {"decode-kv"},
         "old": {"rotary+kv", "fresh", "decode-kv"},
         "+silu-gemm": {"+silu-gemm"},  # the gate/up GEMM with SiLU-and-mul in its epilogue
-        "+residual-gemm": {"+residual-gemm"},  # o_proj and down_proj add the residual (addmm)
-        "+both": {"+silu-gemm", "+residual-gemm"},
     }
     reference = None
     labels = []  # a variant named again (to alternate) gets its turn's number

@@ -24,11 +24,6 @@ if TYPE_CHECKING:
     from pdinfer.layers.cpu_decode_stack import DecodeStack
 
 MLP_CHUNK_ROWS = 1024  # CPU: rows per MLP chunk of a large prefill
-# An experiment, off (benchmarks/gpu_floor.py, variant +residual-gemm): on CUDA, o_proj and
-# down_proj add the residual stream in their GEMM's epilogue (``torch.addmm``), and the norm
-# after each reads one tensor instead of two (``_forward_fused_residual``). It saves two passes
-# over the hidden states a norm; the sum is rounded once instead of twice.
-GEMM_ADDS_RESIDUAL = False
 
 
 def _fused_ops(x: torch.Tensor):
@@ -85,10 +80,9 @@ class Attention(nn.Module):
         )
 
     def forward(
-        self, x, cos, sin, kv_cache, meta: AttentionMetadata | GpuAttentionMetadata, keep_rows=None, residual=None
+        self, x, cos, sin, kv_cache, meta: AttentionMetadata | GpuAttentionMetadata, keep_rows=None
     ) -> torch.Tensor:
-        """``keep_rows``: only these rows of the output are needed (K/V are still written for all).
-        ``residual``: returns ``residual + o_proj(attention)``, the add in the GEMM's epilogue."""
+        """``keep_rows``: only these rows of the output are needed (K/V are still written for all)."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -109,8 +103,6 @@ class Attention(nn.Module):
             out = self._rotate_and_attend(qkv, q, k, v, cos, sin, kv_cache, meta)
         if keep_rows is not None:
             out = out.index_select(0, keep_rows)
-        if residual is not None:
-            return torch.addmm(residual, out.reshape(-1, self.q_size), self.o_proj.weight.t())
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _rotate_and_attend(self, qkv, q, k, v, cos, sin, kv_cache, meta) -> torch.Tensor:
@@ -131,16 +123,7 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.intermediate, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate, spec.hidden_size, bias=spec.mlp_bias)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``residual`` (CUDA): returns ``residual + mlp(x)``, the add in down_proj's epilogue."""
-        if residual is not None:
-            if triton_gate_up.applies(self.gate_up_proj, x):
-                act = triton_gate_up.mlp_gate_up_silu(self.gate_up_proj, x)
-            else:
-                from pdinfer.layers import triton_ops
-
-                act = triton_ops.silu_and_mul(self.gate_up_proj(x))
-            return torch.addmm(residual, act, self.down_proj.weight.t())
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > MLP_CHUNK_ROWS and not x.is_cuda:
             # Large prefills in row chunks: each chunk's [rows, 2 * intermediate] temporary stays
             # small enough for glibc to reuse (32 MiB and up is a fresh, page-faulting mmap).
@@ -226,8 +209,6 @@ class LlamaForCausalLM(nn.Module):
 
         layers = self.layers
         last = len(layers) - 1
-        if GEMM_ADDS_RESIDUAL and self._linears_add_residual():
-            return self._forward_residual_in_gemm(x, cos, sin, kv_cache, meta, keep_rows)
         normed = layers[0].input_layernorm(x)
         for i, layer in enumerate(layers):
             keep = keep_rows if i == last else None
@@ -242,35 +223,6 @@ class LlamaForCausalLM(nn.Module):
                 normed = ops.add_rms_norm_(h, x, nxt.weight, nxt.eps)
             else:
                 x.add_(h)
-        return x
-
-    def _linears_add_residual(self) -> bool:
-        """Whether every o_proj and down_proj is a plain bias-free ``nn.Linear`` (not a
-        batch-invariant or FP8 one), so that ``torch.addmm`` can stand for it."""
-        return all(
-            type(lin) is nn.Linear and lin.bias is None
-            for layer in self.layers
-            for lin in (layer.self_attn.o_proj, layer.mlp.down_proj)
-        )
-
-    def _forward_residual_in_gemm(self, x, cos, sin, kv_cache, meta, keep_rows):
-        """``_forward_fused_residual`` with each residual add in the GEMM before it
-        (``GEMM_ADDS_RESIDUAL``): a norm reads the GEMM's output only."""
-        from pdinfer.layers import triton_ops as ops
-
-        layers = self.layers
-        last = len(layers) - 1
-        normed = layers[0].input_layernorm(x)
-        for i, layer in enumerate(layers):
-            keep = keep_rows if i == last else None
-            if keep is not None:
-                x = x.index_select(0, keep)
-            x = layer.self_attn(normed, cos, sin, kv_cache, meta, keep, residual=x)
-            post = layer.post_attention_layernorm
-            x = layer.mlp(ops.rms_norm(x, post.weight, post.eps), residual=x)
-            if i < last:
-                nxt = layers[i + 1].input_layernorm
-                normed = ops.rms_norm(x, nxt.weight, nxt.eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
