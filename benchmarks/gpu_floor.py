@@ -56,7 +56,7 @@ def variant(off: set[str]):
     saved = (backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED)
     backend.fuses_rotary = "rotary+kv" not in off
     backend.decode_writes_kv = "decode-kv" not in off
-    triton_gate_up.ENABLED = "+silu-gemm" in off
+    triton_gate_up.ENABLED = "silu-gemm" not in off
     if "fresh" in off:
         tp.fresh_prefill_supported = lambda q, k, v: False
     try:
@@ -339,8 +339,8 @@ def main() -> None:
         "-rotary+kv": {"rotary+kv"},
         "-fresh": {"fresh"},
         "-decode-kv": {"decode-kv"},
-        "old": {"rotary+kv", "fresh", "decode-kv"},
-        "+silu-gemm": {"+silu-gemm"},  # the gate/up GEMM with SiLU-and-mul in its epilogue
+        "old": {"rotary+kv", "fresh", "decode-kv", "silu-gemm"},
+        "-silu-gemm": {"silu-gemm"},  # the gate/up GEMM with SiLU-and-mul in its epilogue
     }
     reference = None
     labels = []  # a variant named again (to alternate) gets its turn's number

@@ -24,14 +24,15 @@ from torch import nn
 
 from pdinfer.layers.triton_ops import HAS_TRITON, tl, triton
 
-ENABLED = False  # the engine's switch (``applies``); benchmarks turn it on to compare
+ENABLED = True  # the engine's switch (``applies``); benchmarks turn it off to compare
 
 # Launch settings by row count: prefill-sized steps take 128 x 128 tiles (a gate and an up
 # accumulator: a 128 x 256 product a program, cuBLAS's shape on Hopper); decode steps of a few
 # hundred rows narrower ones, so that the weight streams through every multiprocessor.
 LARGE_M = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
 SMALL_M = {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
-SMALL_M_ROWS = 512
+SMALL_M_ROWS = 128  # up to this many rows: SMALL_M
+PAIR_ROWS = 1024  # above SMALL_M_ROWS and up to this many: cuBLAS and silu_and_mul (see applies)
 
 if HAS_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -131,6 +132,8 @@ def applies(gate_up: nn.Module, x: torch.Tensor) -> bool:
     bias-free ``nn.Linear`` (not a batch-invariant, FP8 or packed one) in 16-bit floats on CUDA,
     with rows and weight that tensor descriptors can address (16-byte aligned, unit stride)."""
     if not (ENABLED and HAS_TRITON and type(gate_up) is nn.Linear and gate_up.bias is None):
+        return False
+    if SMALL_M_ROWS < x.shape[0] <= PAIR_ROWS:  # cuBLAS at the ridge point: 256 rows on an H100
         return False
     w = gate_up.weight
     return (
