@@ -72,10 +72,32 @@ def interpret_check() -> None:
         print(f"interpreter M={m} I={inter} K={k}: relative error {err:.1e} ({'ok' if err < 2e-3 else 'WRONG'})")
 
 
+def silu_alone(rows: str, graph_timed, log) -> None:
+    """``triton_ops.silu_and_mul`` alone at each row count, its kernel under other block sizes
+    and warp counts: GB/s of the [M, 2 I] read and [M, I] write against the copy rate."""
+    inter = 14336
+    for m in (int(r) for r in rows.split(",")):
+        x = torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(m, inter, device="cuda", dtype=torch.bfloat16)
+        moved = 3 * m * inter * 2
+        t = graph_timed(lambda x=x: triton_ops.silu_and_mul(x))
+        log(f"M={m}: silu_and_mul {t * 1e6:.1f} us ({moved / t / 1e12:.2f} TB/s)")
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                grid = (m, triton.cdiv(inter, block))
+                t = graph_timed(
+                    lambda x=x, o=out, b=block, w=warps, g=grid: triton_ops._silu_mul_kernel[g](
+                        x, o, x.stride(0), o.stride(0), inter, BLOCK=b, num_warps=w
+                    )
+                )
+                log(f"  BLOCK {block} warps {warps}: {t * 1e6:.1f} us ({moved / t / 1e12:.2f} TB/s)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="8192,256,64")
     p.add_argument("--interpret", action="store_true")
+    p.add_argument("--silu-alone", action="store_true", help="time silu_and_mul alone under launch settings")
     p.add_argument("--best", help="write the fastest settings ({'large': ..., 'small': ...}) to this JSON file")
     args = p.parse_args()
     if args.interpret:
@@ -87,6 +109,9 @@ def main() -> None:
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     k, inter = 4096, 14336
     w = torch.randn(2 * inter, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    if args.silu_alone:
+        silu_alone(args.rows, graph_timed, log)
+        return
     best: dict[str, tuple[float, dict]] = {}  # row-count class: (fused time / pair time, settings)
     for m in (int(r) for r in args.rows.split(",")):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
