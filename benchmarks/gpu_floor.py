@@ -9,10 +9,10 @@ and then all together (the code before them):
 - ``rotary+kv``: the rotary embedding fused into the KV write (``rotary_write_kv``);
 - ``fresh``: fresh prompts' prefill attention through tensor descriptors (``triton_prefill``);
 - ``decode-kv``: at decode, the rotary embedding and the KV write inside the attention kernel
-  (``decode_attention(rotary=...)``; off: ``rotary_write_kv`` then the attention).
-``+silu-gemm`` instead switches on an experiment the engine leaves off: the gate/up GEMM with
-SiLU-and-mul in its epilogue (``layers/triton_gate_up.py``; ``--silu-configs`` takes its launch
-settings from ``gpu_gemm_silu.py --best``).
+  (``decode_attention(rotary=...)``; off: ``rotary_write_kv`` then the attention);
+- ``silu-gemm``: the gate/up GEMM with SiLU-and-mul in its epilogue (``layers/triton_gate_up.py``;
+  off: cuBLAS then ``silu_and_mul``; ``--silu-configs`` takes its launch settings from
+  ``gpu_gemm_silu.py --best``).
 Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
 attention kernels alone, with launch settings around the chosen ones.
 """
@@ -50,8 +50,7 @@ from pdinfer.layers.attention import triton_prefill  # noqa: E402
 
 @contextlib.contextmanager
 def variant(off: set[str]):
-    """The named changes switched off for the block, and ``+silu-gemm`` (an experiment, off in
-    the engine) switched on (module switches; graphs recaptured)."""
+    """The named changes switched off for the block (module switches; graphs recaptured)."""
     backend = tp.TritonPagedAttention
     saved = (backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED)
     backend.fuses_rotary = "rotary+kv" not in off
@@ -299,7 +298,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--silu-configs",
-        help="JSON of gpu_gemm_silu.py --best: launch settings of +silu-gemm for large and small row counts",
+        help="JSON of gpu_gemm_silu.py --best: launch settings of the gate/up GEMM with SiLU for large and small row counts",
     )
     args = parser.parse_args()
     if args.silu_configs and Path(args.silu_configs).exists():

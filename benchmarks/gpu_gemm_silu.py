@@ -1,20 +1,19 @@
-"""An experiment for issue 29's prefill target: the gate/up GEMM with SiLU-and-mul in its epilogue.
+"""The gate/up GEMM with SiLU-and-mul in its epilogue (``layers/triton_gate_up.py``) against the pair.
 
     python benchmarks/gpu_gemm_silu.py [--rows 8192,256,64]
 
-A 4 x 2048 prefill step of the 8B shape spends about 7 ms on SiLU-and-mul (``triton_ops.
-silu_and_mul``: it reads the gate/up GEMM's [M, 2 x 14,336] output back and writes half of it,
-at the copy rate). A GEMM that applies it before storing saves that pass, but only if the GEMM
-itself stays within a few per cent of cuBLAS (a plain Triton GEMM was 5-15 % slower at decode
-shapes). This script times, per row count M (K = 4,096, I = 14,336, bf16, CUDA-graph replays):
+``triton_ops.silu_and_mul`` reads the gate/up GEMM's [M, 2 x 14,336] output back and writes
+half of it. A GEMM that applies it before storing saves that pass, but only where the GEMM
+itself stays within a few per cent of cuBLAS. This script times, per row count M (K = 4,096, I = 14,336, bf16, CUDA-graph replays):
 - cuBLAS ``F.linear(x, w_gate_up)`` alone, and followed by ``silu_and_mul`` (what the engine runs);
 - ``triton_gate_up.gate_up_silu``, a persistent Triton GEMM over tensor descriptors (TMA) whose
   program accumulates a gate tile and the matching up tile and stores ``silu(gate) * up`` with
   the engine's rounding, in a few launch settings; its output is compared with the engine's.
 
 ``--best FILE`` writes the fastest settings for large and small row counts as JSON
-(``gpu_floor.py --silu-configs FILE`` runs the engine with them). The engine leaves the kernel
-off (``triton_gate_up.ENABLED``) until a device run shows it faster there. ``--interpret`` runs it under Triton's interpreter on small float16 shapes against the
+(``gpu_floor.py --silu-configs FILE`` runs the engine with them); the engine's own are
+``triton_gate_up.LARGE_M`` and ``SMALL_M``. ``--silu-alone`` times ``silu_and_mul`` alone.
+``--interpret`` runs it under Triton's interpreter on small float16 shapes against the
 torch reference (a check of the indexing, not of bf16 rounding or speed).
 """
 

@@ -1,14 +1,18 @@
-"""The MLP's gate/up GEMM with SiLU-and-mul in its epilogue, for CUDA (an experiment, off by default).
+"""The MLP's gate/up GEMM with SiLU-and-mul in its epilogue, for CUDA.
 
-An 8B layer's MLP runs ``down(silu_and_mul(x @ w_gate_up.T))``: the GEMM writes [M, 2 I] and
-``triton_ops.silu_and_mul`` reads it back to write [M, I], a pass over memory at the copy rate
-(about 7 ms of a 4 x 2048 prefill step on an H100, 7 us a layer of a batch-256 decode step).
-``gate_up_silu`` computes a gate tile and the matching up tile in one program (the same rows of
-``x`` feed both dots) and stores ``silu(gate) * up`` only. It is a persistent Triton GEMM over
-tensor descriptors (TMA), so it pays only where it runs within a few per cent of cuBLAS:
-``benchmarks/gpu_gemm_silu.py`` times it against the pair, ``benchmarks/gpu_floor.py`` in the
-engine (variant ``+silu-gemm``). ``ENABLED`` stays False until a device run shows the engine
-faster with it (docs/performance.md, "Measurements behind design choices").
+An 8B layer's MLP ran ``down(silu_and_mul(x @ w_gate_up.T))``: the GEMM writes [M, 2 I] and
+``triton_ops.silu_and_mul`` reads it back to write [M, I]. ``gate_up_silu`` computes a gate tile
+and the matching up tile in one program (the same rows of ``x`` feed both dots, a 128 x 256
+product: cuBLAS's tile shape on Hopper) and stores ``silu(gate) * up`` only. It is a persistent
+Triton GEMM over tensor descriptors (TMA).
+
+Where it runs (``applies``), from ``benchmarks/gpu_gemm_silu.py`` on an H100 (2026-12-06, the
+8B shape, CUDA-graph replays): 8,192 rows 2,727 us against 3,107 for cuBLAS then
+``silu_and_mul`` (its GEMM alone runs at 706 TFLOP/s against cuBLAS's 720); 64 rows 85 against
+90 us; 256 rows 131 against 122 us, so from ``SMALL_M_ROWS`` to ``PAIR_ROWS`` rows the pair
+stays (at 256 rows every GEMM of the step sits at the H100's ridge point, where cuBLAS is
+better). In the engine (``benchmarks/gpu_floor.py``, variant ``-silu-gemm``): prefill 4 x 2048
+about 2 points of the matmul rate higher, the batch-64 decode graph 2 % shorter.
 
 Rounding is the pair's: the GEMM's float32 sums rounded to the model's dtype, then ``silu``,
 then the product, each rounded as ``silu_and_mul`` does; only the GEMM's order of summation is
@@ -27,8 +31,8 @@ from pdinfer.layers.triton_ops import HAS_TRITON, tl, triton
 ENABLED = True  # the engine's switch (``applies``); benchmarks turn it off to compare
 
 # Launch settings by row count: prefill-sized steps take 128 x 128 tiles (a gate and an up
-# accumulator: a 128 x 256 product a program, cuBLAS's shape on Hopper); decode steps of a few
-# hundred rows narrower ones, so that the weight streams through every multiprocessor.
+# accumulator: a 128 x 256 product a program, cuBLAS's shape on Hopper); decode steps of up to
+# SMALL_M_ROWS narrower ones, so that the weight streams through every multiprocessor.
 LARGE_M = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
 SMALL_M = {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
 SMALL_M_ROWS = 128  # up to this many rows: SMALL_M
@@ -144,4 +148,5 @@ def applies(gate_up: nn.Module, x: torch.Tensor) -> bool:
         and x.stride(-1) == 1
         and w.stride(-1) == 1
         and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, w))
+        and w.shape[0] // 2 * w.element_size() % 16 == 0  # the output's rows, for its descriptor
     )
