@@ -11,8 +11,10 @@ Where it runs (``applies``), from ``benchmarks/gpu_gemm_silu.py`` on an H100 (20
 ``silu_and_mul`` (its GEMM alone runs at 706 TFLOP/s against cuBLAS's 720); 64 rows 85 against
 90 us; 256 rows 131 against 122 us, so from ``SMALL_M_ROWS`` to ``PAIR_ROWS`` rows the pair
 stays (at 256 rows every GEMM of the step sits at the H100's ridge point, where cuBLAS is
-better). In the engine (``benchmarks/gpu_floor.py``, variant ``-silu-gemm``): prefill 4 x 2048
-about 2 points of the matmul rate higher, the batch-64 decode graph 2 % shorter.
+better). Below ``FIRST_ROWS`` (batch 1 to 32, where cuBLAS reads the weight with kernels made
+for a few rows) the pair stays too until a device run compares them. In the engine
+(``benchmarks/gpu_floor.py``, variant ``-silu-gemm``): prefill 4 x 2048 about 2 points of the
+matmul rate higher, the batch-64 decode graph 2 % shorter.
 
 Rounding is the pair's: the GEMM's float32 sums rounded to the model's dtype, then ``silu``,
 then the product, each rounded as ``silu_and_mul`` does; only the GEMM's order of summation is
@@ -36,6 +38,7 @@ ENABLED = True  # the engine's switch (``applies``); benchmarks turn it off to c
 LARGE_M = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
 SMALL_M = {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
 SMALL_M_ROWS = 128  # up to this many rows: SMALL_M
+FIRST_ROWS = 33  # fewer rows (batch 1 to 32, not measured yet): cuBLAS and silu_and_mul
 PAIR_ROWS = 1024  # above SMALL_M_ROWS and up to this many: cuBLAS and silu_and_mul (see applies)
 
 if HAS_TRITON:
@@ -137,7 +140,8 @@ def applies(gate_up: nn.Module, x: torch.Tensor) -> bool:
     with rows and weight that tensor descriptors can address (16-byte aligned, unit stride)."""
     if not (ENABLED and HAS_TRITON and type(gate_up) is nn.Linear and gate_up.bias is None):
         return False
-    if SMALL_M_ROWS < x.shape[0] <= PAIR_ROWS:  # cuBLAS at the ridge point: 256 rows on an H100
+    rows = x.shape[0]
+    if rows < FIRST_ROWS or SMALL_M_ROWS < rows <= PAIR_ROWS:  # measured at 64, 256 and 8,192 rows
         return False
     w = gate_up.weight
     return (
