@@ -6,15 +6,22 @@ and the matching up tile in one program (the same rows of ``x`` feed both dots, 
 product: cuBLAS's tile shape on Hopper) and stores ``silu(gate) * up`` only. It is a persistent
 Triton GEMM over tensor descriptors (TMA).
 
-Where it runs (``applies``), from ``benchmarks/gpu_gemm_silu.py`` on an H100 (2026-12-06, the
-8B shape, CUDA-graph replays): 8,192 rows 2,727 us against 3,107 for cuBLAS then
-``silu_and_mul`` (its GEMM alone runs at 706 TFLOP/s against cuBLAS's 720); 64 rows 85 against
-90 us; 256 rows 131 against 122 us, so from ``SMALL_M_ROWS`` to ``PAIR_ROWS`` rows the pair
-stays (at 256 rows every GEMM of the step sits at the H100's ridge point, where cuBLAS is
-better). Below ``FIRST_ROWS`` (batch 1 to 32, where cuBLAS reads the weight with kernels made
-for a few rows) the pair stays too until a device run compares them. In the engine
-(``benchmarks/gpu_floor.py``, variant ``-silu-gemm``): prefill 4 x 2048 about 2 points of the
-matmul rate higher, the batch-64 decode graph 2 % shorter.
+Where it runs (``applies``), from ``benchmarks/gpu_gemm_silu.py`` on H100s (2026-12-06, the
+8B shape, CUDA-graph replays; fused against cuBLAS, or cuBLASLt up to 512 rows as in the decode
+graphs, then ``silu_and_mul``):
+
+| rows | 1 | 8 | 32 | 64 | 128 | 256 | 8,192 |
+|---|---|---|---|---|---|---|---|
+| fused, us | 89 | 83 | 83 | 85 | 98 | 131 | 2,727 |
+| the pair, us | 84 | 85 | 87 | 90 | 95 | 122 | 3,107 |
+
+So it runs from ``FIRST_ROWS`` to ``SMALL_M_ROWS`` rows (decode steps) and above ``PAIR_ROWS``
+(prefill steps; its GEMM alone runs at 706 TFLOP/s there against cuBLAS's 720); elsewhere the
+pair stays (a row or a few: cuBLAS's kernels for thin GEMMs; 128 rows and more: every GEMM of
+the step nears the H100's ridge point, where cuBLAS is better; 65-127 and 1,025-8,191 rows are
+not timed alone). In the engine (``benchmarks/gpu_floor.py``, variant ``-silu-gemm``): prefill
+4 x 2048 and 1 x 8,191 1-2 points of the matmul rate higher, the batch-64 decode graph 2 %
+shorter.
 
 Rounding is the pair's: the GEMM's float32 sums rounded to the model's dtype, then ``silu``,
 then the product, each rounded as ``silu_and_mul`` does; only the GEMM's order of summation is
@@ -37,9 +44,9 @@ ENABLED = True  # the engine's switch (``applies``); benchmarks turn it off to c
 # SMALL_M_ROWS narrower ones, so that the weight streams through every multiprocessor.
 LARGE_M = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
 SMALL_M = {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
-SMALL_M_ROWS = 128  # up to this many rows: SMALL_M
-FIRST_ROWS = 33  # fewer rows (batch 1 to 32, not measured yet): cuBLAS and silu_and_mul
-PAIR_ROWS = 1024  # above SMALL_M_ROWS and up to this many: cuBLAS and silu_and_mul (see applies)
+FIRST_ROWS = 8  # fewer rows: cuBLAS and silu_and_mul (see applies)
+SMALL_M_ROWS = 64  # FIRST_ROWS to this many: SMALL_M
+PAIR_ROWS = 1024  # above SMALL_M_ROWS and up to this many: cuBLAS and silu_and_mul
 
 if HAS_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -141,7 +148,7 @@ def applies(gate_up: nn.Module, x: torch.Tensor) -> bool:
     if not (ENABLED and HAS_TRITON and type(gate_up) is nn.Linear and gate_up.bias is None):
         return False
     rows = x.shape[0]
-    if rows < FIRST_ROWS or SMALL_M_ROWS < rows <= PAIR_ROWS:  # measured at 64, 256 and 8,192 rows
+    if rows < FIRST_ROWS or SMALL_M_ROWS < rows <= PAIR_ROWS:  # the pair is faster there (module doc)
         return False
     w = gate_up.weight
     return (
