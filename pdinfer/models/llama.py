@@ -129,7 +129,7 @@ class MLP(nn.Module):
             # small enough for glibc to reuse (32 MiB and up is a fresh, page-faulting mmap).
             return torch.cat([self(part) for part in x.split(MLP_CHUNK_ROWS)])
         if (ops := _fused_ops(x)) is not None:
-            if x.is_cuda and triton_gate_up.applies(self.gate_up_proj, x):
+            if triton_gate_up.applies(self.gate_up_proj, x):
                 return self.down_proj(triton_gate_up.mlp_gate_up_silu(self.gate_up_proj, x))
             return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
