@@ -138,7 +138,7 @@ def multiprocessors(device_index: int) -> int:
 
 def mlp_gate_up_silu(gate_up: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The MLP's ``silu_and_mul(gate_up(x))`` through ``gate_up_silu`` (``applies`` holds)."""
-    return gate_up_silu(x, gate_up.weight, multiprocessors(x.device.index or 0))
+    return gate_up_silu(x, gate_up.weight, multiprocessors(x.get_device()))
 
 
 def applies(gate_up: nn.Module, x: torch.Tensor) -> bool:
