@@ -65,9 +65,15 @@ def free_memory() -> None:
 
 
 def graph_timed(fn) -> float:
-    """Median seconds of ``fn`` replayed from a CUDA graph (kernel time, no launch gaps)."""
+    """Median seconds of ``fn`` replayed from a CUDA graph (kernel time, no launch gaps).
+
+    Triton runs ``fn`` on a stream of its own, which does not wait for the default stream: the
+    inputs made there (a step's metadata, copied without blocking; ``randperm`` block tables)
+    must be complete first. Without the synchronize, the first call read them half-written
+    (an out-of-range embedding index and an illegal address, H100, 2026-12-06)."""
     from triton.testing import do_bench_cudagraph
 
+    torch.cuda.synchronize()
     return do_bench_cudagraph(fn, rep=50, return_mode="median") / 1e3
 
 

@@ -78,6 +78,7 @@ def device_time(fn) -> float:
     if torch.cuda.is_available():
         from triton.testing import do_bench_cudagraph
 
+        torch.cuda.synchronize()  # its stream does not wait for the inputs (gpu_micro.graph_timed)
         return do_bench_cudagraph(fn, rep=30, return_mode="median") / 1e3
     start = time.perf_counter()
     fn()

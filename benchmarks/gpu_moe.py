@@ -98,6 +98,7 @@ def graph_timed(fn) -> float | None:
         return None
     from triton.testing import do_bench_cudagraph
 
+    torch.cuda.synchronize()  # its stream does not wait for the inputs (gpu_micro.graph_timed)
     return do_bench_cudagraph(fn, rep=30, return_mode="median") / 1e3
 
 

@@ -24,11 +24,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_micro import llama_8b  # noqa: E402
+from benchmarks.gpu_micro import graph_timed, llama_8b  # noqa: E402
 from pdinfer import SamplingParams  # noqa: E402
 from pdinfer.layers.attention import triton_paged as tp
 from pdinfer.worker.cache_engine import CacheEngine
@@ -40,7 +39,7 @@ def log(*parts) -> None:
 
 
 def graph_us(fn) -> float:
-    return do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
+    return graph_timed(fn) * 1e6
 
 
 def kernel_table(prof, label, steps=1):
