@@ -12,7 +12,10 @@ and then all together (the code before them):
   (``decode_attention(rotary=...)``; off: ``rotary_write_kv`` then the attention);
 - ``silu-gemm``: the gate/up GEMM with SiLU-and-mul in its epilogue (``layers/triton_gate_up.py``;
   off: cuBLAS then ``silu_and_mul``; ``--silu-configs`` takes its launch settings from
-  ``gpu_gemm_silu.py --best``).
+  ``gpu_gemm_silu.py --best``);
+- ``silu-mid``: that GEMM from 65 to 1,024 rows (``triton_gate_up.MID_M``; off: the pair there);
+- ``scale-exp``: fresh prompts' prefill attention applying the softmax scale inside the
+  exponent's FMA (``triton_prefill.FRESH_CONFIG["scale_in_exp"]``).
 Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
 attention kernels alone, with launch settings around the chosen ones.
 """
@@ -53,6 +56,12 @@ def variant(off: set[str]):
     """The named changes switched off for the block (module switches; graphs recaptured)."""
     backend = tp.TritonPagedAttention
     saved = (backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED)
+    saved_mid = triton_gate_up.MID_M
+    if "silu-mid" in off:
+        triton_gate_up.MID_M = None
+    saved_exp = triton_prefill.FRESH_CONFIG["scale_in_exp"]
+    if "scale-exp" in off:
+        triton_prefill.FRESH_CONFIG["scale_in_exp"] = False
     backend.fuses_rotary = "rotary+kv" not in off
     backend.decode_writes_kv = "decode-kv" not in off
     triton_gate_up.ENABLED = "silu-gemm" not in off
@@ -62,6 +71,8 @@ def variant(off: set[str]):
         yield
     finally:
         backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED = saved
+        triton_gate_up.MID_M = saved_mid
+        triton_prefill.FRESH_CONFIG["scale_in_exp"] = saved_exp
 
 
 def compiled_kernels() -> dict[str, int]:
@@ -232,6 +243,7 @@ def micro_shape(llm: LLM, n: int, length: int) -> None:
     saved = dict(triton_prefill.FRESH_CONFIG)
     for cfg in (
         {},
+        {"scale_in_exp": False},
         {"num_stages": 2},
         {"num_stages": 4},
         {"block_n": 64, "num_stages": 3},
@@ -298,13 +310,15 @@ def main() -> None:
     )
     parser.add_argument(
         "--silu-configs",
-        help="JSON of gpu_gemm_silu.py --best: launch settings of the gate/up GEMM with SiLU for large and small row counts",
+        help="JSON of gpu_gemm_silu.py --best: launch settings of the gate/up GEMM with SiLU for large, mid and small row counts",
     )
     args = parser.parse_args()
     if args.silu_configs and Path(args.silu_configs).exists():
         best = json.loads(Path(args.silu_configs).read_text())
         triton_gate_up.LARGE_M.update(best.get("large", {}))
         triton_gate_up.SMALL_M.update(best.get("small", {}))
+        if triton_gate_up.MID_M is not None:
+            triton_gate_up.MID_M.update(best.get("mid", {}))
     skip = set(filter(None, args.skip.split(",")))
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d %H:%M')}")
     import triton
@@ -340,6 +354,8 @@ def main() -> None:
         "-decode-kv": {"decode-kv"},
         "old": {"rotary+kv", "fresh", "decode-kv", "silu-gemm"},
         "-silu-gemm": {"silu-gemm"},  # the gate/up GEMM with SiLU-and-mul in its epilogue
+        "-silu-mid": {"silu-mid"},  # that GEMM from 65 to 1,024 rows (the pair there)
+        "-scale-exp": {"scale-exp"},  # fresh prefill attention: the scale in the exponent's FMA
     }
     reference = None
     labels = []  # a variant named again (to alternate) gets its turn's number

@@ -10,9 +10,10 @@ itself stays within a few per cent of cuBLAS. This script times, per row count M
   program accumulates a gate tile and the matching up tile and stores ``silu(gate) * up`` with
   the engine's rounding, in a few launch settings; its output is compared with the engine's.
 
-``--best FILE`` writes the fastest settings for large and small row counts as JSON
+Rows from 65 to 1,024 (``MID_M``) try every setting, 256-row tiles too.
+``--best FILE`` writes the fastest settings for large, mid and small row counts as JSON
 (``gpu_floor.py --silu-configs FILE`` runs the engine with them); the engine's own are
-``triton_gate_up.LARGE_M`` and ``SMALL_M``. ``--silu-alone`` times ``silu_and_mul`` alone.
+``triton_gate_up.LARGE_M``, ``MID_M`` and ``SMALL_M``. ``--silu-alone`` times ``silu_and_mul`` alone.
 ``--interpret`` runs it under Triton's interpreter on small float16 shapes against the
 torch reference (a check of the indexing, not of bf16 rounding or speed).
 """
@@ -55,6 +56,16 @@ SMALL_M_CONFIGS = (
     {"block_m": 128, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 5},
     {"block_m": 64, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 5},
     {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "flatten": True, "ws": True},
+)
+# 65-1,024 rows (large decode batches, small prefills; the engine's MID_M): the settings above
+# and these, with 256-row tiles (every weight tile read once at 256 rows)
+MID_M_CONFIGS = (
+    {"block_m": 256, "block_n": 64, "block_k": 64, "num_warps": 8, "num_stages": 3},
+    {"block_m": 256, "block_n": 64, "block_k": 64, "num_warps": 8, "num_stages": 4},
+    {"block_m": 256, "block_n": 32, "block_k": 64, "num_warps": 8, "num_stages": 4},
+    {"block_m": 128, "block_n": 64, "block_k": 128, "num_warps": 8, "num_stages": 3},
+    {"block_m": 128, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4},
+    {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 5},
 )
 
 
@@ -123,7 +134,13 @@ def main() -> None:
         log(
             f"M={m}: cuBLAS GEMM {gemm * 1e6:.0f} us ({flops / gemm / 1e12:.0f} TFLOP/s); with silu_and_mul {pair * 1e6:.0f} us"
         )
-        for cfg in CONFIGS if m > 512 else SMALL_M_CONFIGS:
+        if m <= triton_gate_up.SMALL_M_ROWS:
+            size, configs = "small", SMALL_M_CONFIGS
+        elif m <= triton_gate_up.MID_M_ROWS:
+            size, configs = "mid", SMALL_M_CONFIGS + MID_M_CONFIGS + CONFIGS
+        else:
+            size, configs = "large", CONFIGS
+        for cfg in configs:
             try:
                 out = gate_up_silu(x, w, num_sms, cfg)
                 bad = (out != ref).float().mean().item()
@@ -132,7 +149,6 @@ def main() -> None:
                     f"  fused {cfg}: {sec * 1e6:.0f} us ({flops / sec / 1e12:.0f} TFLOP/s), "
                     f"{pair / sec:.3f}x the pair; elements unlike the pair's {bad:.2%}"
                 )
-                size = "small" if m <= triton_gate_up.SMALL_M_ROWS else "large"
                 if bad < 0.05 and (size not in best or sec / pair < best[size][0]):
                     best[size] = (sec / pair, cfg)
             except Exception as e:  # noqa: BLE001 - a setting that does not compile or fit is a result

@@ -6,22 +6,24 @@ and the matching up tile in one program (the same rows of ``x`` feed both dots, 
 product: cuBLAS's tile shape on Hopper) and stores ``silu(gate) * up`` only. It is a persistent
 Triton GEMM over tensor descriptors (TMA).
 
-Where it runs (``applies``), from ``benchmarks/gpu_gemm_silu.py`` on H100s (2026-12-06, the
-8B shape, CUDA-graph replays; fused against cuBLAS, or cuBLASLt up to 512 rows as in the decode
-graphs, then ``silu_and_mul``):
+Where it runs (``applies``, ``config_for``), from ``benchmarks/gpu_gemm_silu.py`` on H100s
+(2026-12-06, the 8B shape, CUDA-graph replays; fused against cuBLAS, or cuBLASLt up to 512 rows
+as in the decode graphs, then ``silu_and_mul``; each row count with its launch settings):
 
-| rows | 1 | 8 | 32 | 64 | 128 | 256 | 8,192 |
-|---|---|---|---|---|---|---|---|
-| fused, us | 89 | 83 | 83 | 85 | 98 | 131 | 2,727 |
-| the pair, us | 84 | 85 | 87 | 90 | 95 | 122 | 3,107 |
+| rows | 1 | 8 | 32 | 64 | 96 | 128 | 256 | 512 | 2,048 | 4,096 | 8,192 |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+| fused, us | 89 | 83 | 83 | 85 | 93 | 92 | 114 | 205 | 710 | 1,441 | 2,727 |
+| the pair, us | 84 | 85 | 87 | 90 | 94 | 95 | 120 | 210 | 788 | 1,561 | 3,107 |
 
-So it runs from ``FIRST_ROWS`` to ``SMALL_M_ROWS`` rows (decode steps) and above ``PAIR_ROWS``
-(prefill steps; its GEMM alone runs at 706 TFLOP/s there against cuBLAS's 720); elsewhere the
-pair stays (a row or a few: cuBLAS's kernels for thin GEMMs; 128 rows and more: every GEMM of
-the step nears the H100's ridge point, where cuBLAS is better; 65-127 and 1,025-8,191 rows are
-not timed alone). In the engine (``benchmarks/gpu_floor.py``, variant ``-silu-gemm``): prefill
-4 x 2048 and 1 x 8,191 1-2 points of the matmul rate higher, the batch-64 decode graph 2 %
-shorter.
+So it runs from ``FIRST_ROWS`` rows up, in three launch settings: ``SMALL_M`` up to
+``SMALL_M_ROWS`` rows (narrow tiles: the weight streams through every multiprocessor),
+``MID_M`` up to ``MID_M_ROWS`` (large decode batches, small prefills) and ``LARGE_M`` above
+(its GEMM alone runs at 706 TFLOP/s at 8,192 rows against cuBLAS's 720). Below ``FIRST_ROWS``
+the pair stays: cuBLAS's kernels for a row or a few are faster. The 96-512 row columns are
+``MID_M``'s (15:44; 128 x 128 tiles with three stages, ``LARGE_M``, tied the pair at 256 rows:
+120 us). In the engine (``benchmarks/gpu_floor.py``, variants ``-silu-gemm`` and ``-silu-mid``):
+prefill 4 x 2048 and 1 x 8,191 1-2 points of the matmul rate higher, the batch-64 decode graph
+2 % shorter.
 
 Rounding is the pair's: the GEMM's float32 sums rounded to the model's dtype, then ``silu``,
 then the product, each rounded as ``silu_and_mul`` does; only the GEMM's order of summation is
@@ -39,19 +41,33 @@ from pdinfer.layers.triton_ops import HAS_TRITON, tl, triton
 
 ENABLED = True  # the engine's switch (``applies``); benchmarks turn it off to compare
 
-# Launch settings by row count: prefill-sized steps take 128 x 128 tiles (a gate and an up
-# accumulator: a 128 x 256 product a program, cuBLAS's shape on Hopper); decode steps of up to
-# SMALL_M_ROWS narrower ones, so that the weight streams through every multiprocessor.
+# Launch settings by row count (``config_for``): prefill-sized steps take 128 x 128 tiles (a
+# gate and an up accumulator: a 128 x 256 product a program, cuBLAS's shape on Hopper), with a
+# stage more from SMALL_M_ROWS to MID_M_ROWS rows; decode steps of up to SMALL_M_ROWS narrower
+# ones, so that the weight streams through every multiprocessor. MID_M None: the pair there.
 LARGE_M = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
+MID_M: dict | None = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4}
 SMALL_M = {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
-FIRST_ROWS = 8  # fewer rows: cuBLAS and silu_and_mul (see applies)
+FIRST_ROWS = 8  # fewer rows: cuBLAS and silu_and_mul
 SMALL_M_ROWS = 64  # FIRST_ROWS to this many: SMALL_M
-PAIR_ROWS = 1024  # above SMALL_M_ROWS and up to this many: cuBLAS and silu_and_mul
+MID_M_ROWS = 1024  # above SMALL_M_ROWS and up to this many: MID_M; above: LARGE_M
+
+
+def config_for(rows: int) -> dict | None:
+    """The launch settings for a GEMM of ``rows`` rows; None where the pair is faster."""
+    if rows < FIRST_ROWS:
+        return None
+    if rows <= SMALL_M_ROWS:
+        return SMALL_M
+    return MID_M if rows <= MID_M_ROWS else LARGE_M
+
 
 if HAS_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    @triton.jit
+    # ``m`` not specialized: a step's row count changes from step to step, and Triton would compile
+    # a second variant the first time it is not a multiple of 16, in the middle of serving
+    @triton.jit(do_not_specialize=["m"])
     def gate_up_silu_kernel(
         x_desc,
         w_desc,
@@ -97,11 +113,11 @@ if HAS_TRITON:
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, num_programs: int, cfg: dict | None = None) -> torch.Tensor:
     """``silu_and_mul(x @ w.T)`` for ``w`` [2 I, K] (gate rows, then up rows) in one kernel of at
     most ``num_programs`` programs (the device's multiprocessors); ``cfg``: launch settings,
-    by default ``LARGE_M`` or ``SMALL_M`` by the row count."""
+    by default ``config_for``'s (``LARGE_M`` where that is None)."""
     m, k = x.shape
     inter = w.shape[0] // 2
     if cfg is None:
-        cfg = SMALL_M if m <= SMALL_M_ROWS else LARGE_M
+        cfg = config_for(m) or LARGE_M
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -147,8 +163,7 @@ def applies(gate_up: nn.Module, x: torch.Tensor) -> bool:
     with rows and weight that tensor descriptors can address (16-byte aligned, unit stride)."""
     if not (ENABLED and HAS_TRITON and type(gate_up) is nn.Linear and gate_up.bias is None):
         return False
-    rows = x.shape[0]
-    if rows < FIRST_ROWS or SMALL_M_ROWS < rows <= PAIR_ROWS:  # the pair is faster there (module doc)
+    if config_for(x.shape[0]) is None:  # the pair is faster there (module doc)
         return False
     w = gate_up.weight
     return (
