@@ -14,8 +14,9 @@ and then all together (the code before them):
   off: cuBLAS then ``silu_and_mul``; ``--silu-configs`` takes its launch settings from
   ``gpu_gemm_silu.py --best``);
 - ``silu-mid``: that GEMM from 65 to 1,024 rows (``triton_gate_up.MID_M``; off: the pair there);
-- ``scale-exp``: fresh prompts' prefill attention applying the softmax scale inside the
-  exponent's FMA (``triton_prefill.FRESH_CONFIG["scale_in_exp"]``).
+- ``+scale-exp`` (switched on, not off: the default has it off): fresh prompts' prefill
+  attention applying the softmax scale inside the exponent's FMA
+  (``triton_prefill.FRESH_CONFIG["scale_in_exp"]``).
 Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
 attention kernels alone, with launch settings around the chosen ones.
 """
@@ -60,8 +61,8 @@ def variant(off: set[str]):
     if "silu-mid" in off:
         triton_gate_up.MID_M = None
     saved_exp = triton_prefill.FRESH_CONFIG["scale_in_exp"]
-    if "scale-exp" in off:
-        triton_prefill.FRESH_CONFIG["scale_in_exp"] = False
+    if "+scale-exp" in off:  # a change not on by default: this variant switches it on
+        triton_prefill.FRESH_CONFIG["scale_in_exp"] = True
     backend.fuses_rotary = "rotary+kv" not in off
     backend.decode_writes_kv = "decode-kv" not in off
     triton_gate_up.ENABLED = "silu-gemm" not in off
@@ -243,7 +244,7 @@ def micro_shape(llm: LLM, n: int, length: int) -> None:
     saved = dict(triton_prefill.FRESH_CONFIG)
     for cfg in (
         {},
-        {"scale_in_exp": False},
+        {"scale_in_exp": True},
         {"num_stages": 2},
         {"num_stages": 4},
         {"block_n": 64, "num_stages": 3},
@@ -355,7 +356,7 @@ def main() -> None:
         "old": {"rotary+kv", "fresh", "decode-kv", "silu-gemm"},
         "-silu-gemm": {"silu-gemm"},  # the gate/up GEMM with SiLU-and-mul in its epilogue
         "-silu-mid": {"silu-mid"},  # that GEMM from 65 to 1,024 rows (the pair there)
-        "-scale-exp": {"scale-exp"},  # fresh prefill attention: the scale in the exponent's FMA
+        "+scale-exp": {"+scale-exp"},  # fresh prefill attention: the scale in the exponent's FMA, on
     }
     reference = None
     labels = []  # a variant named again (to alternate) gets its turn's number
