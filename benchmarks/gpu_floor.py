@@ -13,10 +13,7 @@ and then all together (the code before them):
 - ``silu-gemm``: the gate/up GEMM with SiLU-and-mul in its epilogue (``layers/triton_gate_up.py``;
   off: cuBLAS then ``silu_and_mul``; ``--silu-configs`` takes its launch settings from
   ``gpu_gemm_silu.py --best``);
-- ``silu-mid``: that GEMM from 65 to 1,024 rows (``triton_gate_up.MID_M``; off: the pair there);
-- ``+scale-exp`` (switched on, not off: the default has it off): fresh prompts' prefill
-  attention applying the softmax scale inside the exponent's FMA
-  (``triton_prefill.FRESH_CONFIG["scale_in_exp"]``).
+- ``silu-mid``: that GEMM from 65 to 1,024 rows (``triton_gate_up.MID_M``; off: the pair there).
 Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
 attention kernels alone, with launch settings around the chosen ones.
 """
@@ -60,9 +57,6 @@ def variant(off: set[str]):
     saved_mid = triton_gate_up.MID_M
     if "silu-mid" in off:
         triton_gate_up.MID_M = None
-    saved_exp = triton_prefill.FRESH_CONFIG["scale_in_exp"]
-    if "+scale-exp" in off:  # a change not on by default: this variant switches it on
-        triton_prefill.FRESH_CONFIG["scale_in_exp"] = True
     backend.fuses_rotary = "rotary+kv" not in off
     backend.decode_writes_kv = "decode-kv" not in off
     triton_gate_up.ENABLED = "silu-gemm" not in off
@@ -73,7 +67,6 @@ def variant(off: set[str]):
     finally:
         backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED = saved
         triton_gate_up.MID_M = saved_mid
-        triton_prefill.FRESH_CONFIG["scale_in_exp"] = saved_exp
 
 
 def compiled_kernels() -> dict[str, int]:
@@ -244,7 +237,6 @@ def micro_shape(llm: LLM, n: int, length: int) -> None:
     saved = dict(triton_prefill.FRESH_CONFIG)
     for cfg in (
         {},
-        {"scale_in_exp": True},
         {"num_stages": 2},
         {"num_stages": 4},
         {"block_n": 64, "num_stages": 3},
@@ -356,7 +348,6 @@ def main() -> None:
         "old": {"rotary+kv", "fresh", "decode-kv", "silu-gemm"},
         "-silu-gemm": {"silu-gemm"},  # the gate/up GEMM with SiLU-and-mul in its epilogue
         "-silu-mid": {"silu-mid"},  # that GEMM from 65 to 1,024 rows (the pair there)
-        "+scale-exp": {"+scale-exp"},  # fresh prefill attention: the scale in the exponent's FMA, on
     }
     reference = None
     labels = []  # a variant named again (to alternate) gets its turn's number

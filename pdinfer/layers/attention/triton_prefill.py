@@ -43,24 +43,16 @@ if HAS_TRITON:
         qk_scale,
         BLOCK_N: tl.constexpr,
         MASKED: tl.constexpr,
-        SCALE_IN_EXP: tl.constexpr,
     ):
         n = tl.arange(0, BLOCK_N)
         for n0 in range(lo, hi, BLOCK_N):
             k = k_desc.load([row0 + n0, col])
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k)) * qk_scale
             if MASKED:
                 s = tl.where((n0 + n)[None, :] <= q_pos[:, None], s, float("-inf"))
-            if SCALE_IN_EXP:
-                # the scale applied inside the exponent: max(s) * scale is the scaled scores'
-                # max (scale > 0), and s * scale - m is one FMA instead of a product, then a sum
-                m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-                p = tl.math.exp2(s * qk_scale - m_new[:, None])
-            else:
-                s = s * qk_scale
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                p = tl.math.exp2(s - m_new[:, None])
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = v_desc.load([row0 + n0, col])
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -83,7 +75,6 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        SCALE_IN_EXP: tl.constexpr = False,
     ):
         w = tl.program_id(0)
         h = tl.program_id(1)
@@ -101,10 +92,10 @@ if HAS_TRITON:
         unmasked_end = (first // BLOCK_N) * BLOCK_N  # keys every row of the tile sees
         hi = tl.minimum(qlen, first + BLOCK_M)
         acc, m_i, l_i = _fresh_key_tiles(
-            q, acc, m_i, l_i, k_desc, v_desc, q0, col, 0, unmasked_end, q_pos, qk_scale, BLOCK_N, False, SCALE_IN_EXP
+            q, acc, m_i, l_i, k_desc, v_desc, q0, col, 0, unmasked_end, q_pos, qk_scale, BLOCK_N, False
         )
         acc, m_i, l_i = _fresh_key_tiles(
-            q, acc, m_i, l_i, k_desc, v_desc, q0, col, unmasked_end, hi, q_pos, qk_scale, BLOCK_N, True, SCALE_IN_EXP
+            q, acc, m_i, l_i, k_desc, v_desc, q0, col, unmasked_end, hi, q_pos, qk_scale, BLOCK_N, True
         )
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         d = tl.arange(0, HEAD_DIM)
@@ -116,10 +107,8 @@ if HAS_TRITON:
         )
 
 
-# Launch settings (the micro part of benchmarks/gpu_floor.py times alternatives); "scale_in_exp":
-# the softmax scale applied in the exponent's FMA (``_fresh_key_tiles``), off until it is timed
-# on the device (``gpu_floor.py --variants new,+scale-exp``; tested on the CPU either way).
-FRESH_CONFIG = {"block_n": 128, "num_warps": 8, "num_stages": 3, "scale_in_exp": False}
+# Launch settings (the micro part of benchmarks/gpu_floor.py times alternatives).
+FRESH_CONFIG = {"block_n": 128, "num_warps": 8, "num_stages": 3}
 
 
 def fresh_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -170,7 +159,6 @@ def fresh_prefill_attention(
         HEAD_DIM=dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        SCALE_IN_EXP=cfg.get("scale_in_exp", False),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
