@@ -23,7 +23,7 @@ the pair stays: cuBLAS's kernels for a row or a few are faster. The 96-512 row c
 ``MID_M``'s (15:44; 128 x 128 tiles with three stages, ``LARGE_M``, tied the pair at 256 rows:
 120 us). In the engine (``benchmarks/gpu_floor.py``, variants ``-silu-gemm`` and ``-silu-mid``):
 prefill 4 x 2048 and 1 x 8,191 1-2 points of the matmul rate higher, the batch-64 decode graph
-2 % shorter.
+2 % shorter, the batch-256 graph 1 % (``MID_M``).
 
 Rounding is the pair's: the GEMM's float32 sums rounded to the model's dtype, then ``silu``,
 then the product, each rounded as ``silu_and_mul`` does; only the GEMM's order of summation is
