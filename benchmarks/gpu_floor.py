@@ -54,9 +54,11 @@ def variant(off: set[str]):
     """The named changes switched off for the block (module switches; graphs recaptured)."""
     backend = tp.TritonPagedAttention
     saved = (backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED)
-    saved_mid = triton_gate_up.MID_M
-    if "silu-mid" in off:
-        triton_gate_up.MID_M = None
+    config_for = triton_gate_up.config_for
+    if "silu-mid" in off:  # the pair from 65 to 1,024 rows (where MID_M runs)
+        triton_gate_up.config_for = lambda rows: (
+            None if triton_gate_up.SMALL_M_ROWS < rows <= triton_gate_up.MID_M_ROWS else config_for(rows)
+        )
     backend.fuses_rotary = "rotary+kv" not in off
     backend.decode_writes_kv = "decode-kv" not in off
     triton_gate_up.ENABLED = "silu-gemm" not in off
@@ -66,7 +68,7 @@ def variant(off: set[str]):
         yield
     finally:
         backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED = saved
-        triton_gate_up.MID_M = saved_mid
+        triton_gate_up.config_for = config_for
 
 
 def compiled_kernels() -> dict[str, int]:
@@ -310,8 +312,7 @@ def main() -> None:
         best = json.loads(Path(args.silu_configs).read_text())
         triton_gate_up.LARGE_M.update(best.get("large", {}))
         triton_gate_up.SMALL_M.update(best.get("small", {}))
-        if triton_gate_up.MID_M is not None:
-            triton_gate_up.MID_M.update(best.get("mid", {}))
+        triton_gate_up.MID_M.update(best.get("mid", {}))
     skip = set(filter(None, args.skip.split(",")))
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d %H:%M')}")
     import triton

@@ -44,9 +44,9 @@ ENABLED = True  # the engine's switch (``applies``); benchmarks turn it off to c
 # Launch settings by row count (``config_for``): prefill-sized steps take 128 x 128 tiles (a
 # gate and an up accumulator: a 128 x 256 product a program, cuBLAS's shape on Hopper), with a
 # stage more from SMALL_M_ROWS to MID_M_ROWS rows; decode steps of up to SMALL_M_ROWS narrower
-# ones, so that the weight streams through every multiprocessor. MID_M None: the pair there.
+# ones, so that the weight streams through every multiprocessor.
 LARGE_M = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
-MID_M: dict | None = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4}
+MID_M = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4}
 SMALL_M = {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
 FIRST_ROWS = 8  # fewer rows: cuBLAS and silu_and_mul
 SMALL_M_ROWS = 64  # FIRST_ROWS to this many: SMALL_M
