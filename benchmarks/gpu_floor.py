@@ -13,7 +13,9 @@ and then all together (the code before them):
 - ``silu-gemm``: the gate/up GEMM with SiLU-and-mul in its epilogue (``layers/triton_gate_up.py``;
   off: cuBLAS then ``silu_and_mul``; ``--silu-configs`` takes its launch settings from
   ``gpu_gemm_silu.py --best``);
-- ``silu-mid``: that GEMM from 65 to 1,024 rows (``triton_gate_up.MID_M``; off: the pair there).
+- ``silu-mid``: that GEMM from 65 to 1,024 rows (``triton_gate_up.MID_M``; off: the pair there);
+- ``bf16-logits``: the logits left in the model's dtype for a greedy step's argmax
+  (``final_logits``; off: upcast to float32 inside the step, as before).
 Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
 attention kernels alone, with launch settings around the chosen ones.
 """
@@ -47,6 +49,7 @@ from pdinfer.engine.speculative import decode_graph_rows  # noqa: E402
 from pdinfer.layers import triton_gate_up  # noqa: E402
 from pdinfer.layers.attention import triton_paged as tp  # noqa: E402
 from pdinfer.layers.attention import triton_prefill  # noqa: E402
+from pdinfer.models.llama import LlamaForCausalLM  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -55,6 +58,9 @@ def variant(off: set[str]):
     backend = tp.TritonPagedAttention
     saved = (backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED)
     config_for = triton_gate_up.config_for
+    compute_logits = LlamaForCausalLM.compute_logits
+    if "bf16-logits" in off:
+        LlamaForCausalLM.compute_logits = lambda self, hidden: compute_logits(self, hidden).float()  # type: ignore[method-assign]
     if "silu-mid" in off:  # the pair from 65 to 1,024 rows (where MID_M runs)
         triton_gate_up.config_for = lambda rows: (
             None if triton_gate_up.SMALL_M_ROWS < rows <= triton_gate_up.MID_M_ROWS else config_for(rows)
@@ -69,6 +75,7 @@ def variant(off: set[str]):
     finally:
         backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED = saved
         triton_gate_up.config_for = config_for
+        LlamaForCausalLM.compute_logits = compute_logits  # type: ignore[method-assign]
 
 
 def compiled_kernels() -> dict[str, int]:
@@ -346,9 +353,10 @@ def main() -> None:
         "-rotary+kv": {"rotary+kv"},
         "-fresh": {"fresh"},
         "-decode-kv": {"decode-kv"},
-        "old": {"rotary+kv", "fresh", "decode-kv", "silu-gemm"},
+        "old": {"rotary+kv", "fresh", "decode-kv", "silu-gemm", "bf16-logits"},
         "-silu-gemm": {"silu-gemm"},  # the gate/up GEMM with SiLU-and-mul in its epilogue
         "-silu-mid": {"silu-mid"},  # that GEMM from 65 to 1,024 rows (the pair there)
+        "-bf16-logits": {"bf16-logits"},  # float32 logits inside the step
     }
     reference = None
     labels = []  # a variant named again (to alternate) gets its turn's number

@@ -8,6 +8,7 @@ the code under test is never used to build them.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -227,6 +228,26 @@ def test_greedy_rows_return_argmax_of_penalized_logits():
     assert tokens[:2].tolist() == [1, 1]  # row 2: 3 / 2 = 1.5 < 2
     all_greedy = Sampler()(logits[:2], tensors(specs[:2], 3)).token_ids
     assert all_greedy.tolist() == [1, 1]
+
+
+def test_half_precision_logits_greedy_takes_first_maximum_and_logprobs_run_in_float32():
+    # The model's logits arrive in its dtype (final_logits no longer upcasts). bf16 values, chosen
+    # exactly representable: row 0 ties at tokens 1 and 3 (the first wins, as torch.argmax on
+    # float32 does); row 1's maximum is token 2.
+    rows = [[0.5, 2.25, -1.0, 2.25], [1.0, -3.5, 4.0, 0.125]]
+    logits = torch.tensor(rows, dtype=torch.bfloat16)
+    greedy = [spec(temperature=0.0), spec(temperature=0.0)]
+    assert Sampler()(logits, tensors(greedy, 4)).token_ids.tolist() == [1, 2]
+    asked = [replace(s, logprobs=2) for s in greedy]
+    out = Sampler()(logits, tensors(asked, 4))
+    assert out.token_ids.tolist() == [1, 2]
+    assert out.logprobs is not None and out.logprobs.dtype == torch.float32
+    expected = [r[t] - math.log(sum(E(x) for x in r)) for r, t in zip(rows, (1, 2))]
+    close(out.logprobs, expected)
+    # a bias is added in float32: 0.125 + 3.88 = 4.005 beats 4.0 (in bf16 it would round to a tie
+    # with token 2, which would win as the first maximum)
+    biased = [greedy[0], replace(greedy[1], logit_bias={3: 3.88})]
+    assert Sampler()(logits, tensors(biased, 4)).token_ids.tolist() == [1, 3]
 
 
 def test_same_seed_and_position_give_same_token_in_any_batch():

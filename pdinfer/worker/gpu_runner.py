@@ -268,9 +268,9 @@ class GpuRunner(RunnerBase):
         spec = self.spec
         peak = self._measure_peak_bytes(block_size, tokens, rows, decode)
         free, total = torch.cuda.mem_get_info()
-        # CUDA graphs keep one pool for the largest decode batch: logits plus a margin.
-        # A PE captures no graphs, so it keeps no room for them.
-        graph_reserve = 256 * 2**20 + rows * spec.vocab_size * 4 if graphs else 0
+        # CUDA graphs keep one pool for the largest decode batch: logits (the model's dtype) plus
+        # a margin. A PE captures no graphs, so it keeps no room for them.
+        graph_reserve = 256 * 2**20 + rows * spec.vocab_size * self.dtype.itemsize if graphs else 0
         budget = free - (1.0 - gpu_memory_utilization) * total - peak - graph_reserve
         per_block = self._bytes_per_block(block_size, extra_layers)
         num_blocks = int(budget // per_block)

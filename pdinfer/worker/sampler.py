@@ -98,7 +98,7 @@ def score_prompt(compute_logits, hidden: torch.Tensor, targets: torch.Tensor, to
     ``top_k`` most likely tokens; on the device, without a host sync."""
     logprobs, ranks, top_ids, top_logprobs = [], [], [], []
     for h, t in zip(hidden.split(PROMPT_LOGPROB_ROWS), targets.split(PROMPT_LOGPROB_ROWS)):
-        rows = torch.log_softmax(compute_logits(h), dim=-1)
+        rows = torch.log_softmax(compute_logits(h), dim=-1, dtype=torch.float32)
         chosen = rows.gather(1, t[:, None])
         logprobs.append(chosen.squeeze(1))
         ranks.append((rows >= chosen).sum(dim=-1))
@@ -113,6 +113,13 @@ def score_prompt(compute_logits, hidden: torch.Tensor, targets: torch.Tensor, to
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        """Tokens (and log-probs where asked) from ``logits`` [S, V] in any float dtype. A
+        greedy step with nothing to report and nothing changing the logits takes their argmax
+        as they are (exact in any dtype, first maximum on ties); anything else runs in float32."""
+        plain = t.max_logprobs < 0 and t.bias_rows is None and t.masks is None and t.presence is None
+        if t.all_greedy and plain:
+            return SamplerOutput(token_ids=logits.argmax(dim=-1))
+        logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_logprobs >= 0 else None
         logits = apply_constraints(logits, t)
         if t.presence is not None:
