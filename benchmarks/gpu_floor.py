@@ -15,7 +15,9 @@ and then all together (the code before them):
   ``gpu_gemm_silu.py --best``);
 - ``silu-mid``: that GEMM from 65 to 1,024 rows (``triton_gate_up.MID_M``; off: the pair there);
 - ``bf16-logits``: the logits left in the model's dtype for a greedy step's argmax
-  (``final_logits``; off: upcast to float32 inside the step, as before).
+  (``final_logits``; off: upcast to float32 inside the step, as before);
+- ``triton-linear``: qkv_proj, o_proj and the logits projection of 17-64-row steps on the
+  persistent Triton GEMM (``layers/triton_linear.py``; off: cuBLASLt).
 Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
 attention kernels alone, with launch settings around the chosen ones.
 """
@@ -46,7 +48,7 @@ from benchmarks.gpu_speed import (  # noqa: E402
 )
 from pdinfer import LLM, SamplingParams  # noqa: E402
 from pdinfer.engine.speculative import decode_graph_rows  # noqa: E402
-from pdinfer.layers import triton_gate_up  # noqa: E402
+from pdinfer.layers import triton_gate_up, triton_linear  # noqa: E402
 from pdinfer.layers.attention import triton_paged as tp  # noqa: E402
 from pdinfer.layers.attention import triton_prefill  # noqa: E402
 from pdinfer.models.llama import LlamaForCausalLM  # noqa: E402
@@ -57,6 +59,8 @@ def variant(off: set[str]):
     """The named changes switched off for the block (module switches; graphs recaptured)."""
     backend = tp.TritonPagedAttention
     saved = (backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED)
+    linear_enabled = triton_linear.ENABLED
+    triton_linear.ENABLED = "triton-linear" not in off
     config_for = triton_gate_up.config_for
     compute_logits = LlamaForCausalLM.compute_logits
     if "bf16-logits" in off:
@@ -76,6 +80,7 @@ def variant(off: set[str]):
         backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED = saved
         triton_gate_up.config_for = config_for
         LlamaForCausalLM.compute_logits = compute_logits  # type: ignore[method-assign]
+        triton_linear.ENABLED = linear_enabled
 
 
 def compiled_kernels() -> dict[str, int]:
@@ -353,10 +358,11 @@ def main() -> None:
         "-rotary+kv": {"rotary+kv"},
         "-fresh": {"fresh"},
         "-decode-kv": {"decode-kv"},
-        "old": {"rotary+kv", "fresh", "decode-kv", "silu-gemm", "bf16-logits"},
+        "old": {"rotary+kv", "fresh", "decode-kv", "silu-gemm", "bf16-logits", "triton-linear"},
         "-silu-gemm": {"silu-gemm"},  # the gate/up GEMM with SiLU-and-mul in its epilogue
         "-silu-mid": {"silu-mid"},  # that GEMM from 65 to 1,024 rows (the pair there)
         "-bf16-logits": {"bf16-logits"},  # float32 logits inside the step
+        "-triton-linear": {"triton-linear"},  # cuBLASLt for qkv, o and the logits at 17-64 rows
     }
     reference = None
     labels = []  # a variant named again (to alternate) gets its turn's number

@@ -118,6 +118,24 @@ def test_gate_up_gemm_with_silu_epilogue_is_the_pair(m, inter, k):
     assert rel_err(out, ref) < 2e-3  # float16 rounding of the three steps, not a wrong tile
 
 
+@pytest.mark.parametrize("m, n, k", [(40, 48, 32), (17, 16, 64), (64, 40, 48)])
+def test_decode_linear_gemm_is_the_matmul(m, n, k):
+    """``triton_linear.matmul`` equals ``x @ w.T`` rounded once from exact sums: partial row
+    tiles (M under the tile), a partial column tile (N = 40 with 16-column tiles, whose last
+    columns read past the weight), a K that is not a multiple of the K step (48 with 32), and more
+    tiles than programs (the persistent loop)."""
+    from pdinfer.layers import triton_linear
+
+    g = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=g).half()
+    w = (torch.randn(n, k, generator=g) * 0.1).half()
+    cfg = {"block_m": 16, "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 2}
+    out = triton_linear.matmul(x, w, 3, cfg)
+    ref = (x.double() @ w.double().T).half()
+    assert out.dtype == torch.float16 and out.shape == (m, n)
+    assert rel_err(out, ref) < 1e-3  # float32 sums rounded once: at most a float16 step apart
+
+
 # --- paged attention ----------------------------------------------------------------------------
 NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 96, 3, 4, 2, 32
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdinfer.layers import cpu_kernels, triton_gate_up
+from pdinfer.layers import cpu_kernels, triton_gate_up, triton_linear
 from pdinfer.layers.attention.metadata import AttentionMetadata
 from pdinfer.layers.attention.torch_paged import TorchPagedAttention
 from pdinfer.layers.attention.triton_paged import GpuAttentionMetadata, TritonPagedAttention
@@ -83,7 +83,7 @@ class Attention(nn.Module):
         self, x, cos, sin, kv_cache, meta: AttentionMetadata | GpuAttentionMetadata, keep_rows=None
     ) -> torch.Tensor:
         """``keep_rows``: only these rows of the output are needed (K/V are still written for all)."""
-        qkv = self.qkv_proj(x)
+        qkv = triton_linear.linear(self.qkv_proj, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -103,7 +103,7 @@ class Attention(nn.Module):
             out = self._rotate_and_attend(qkv, q, k, v, cos, sin, kv_cache, meta)
         if keep_rows is not None:
             out = out.index_select(0, keep_rows)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return triton_linear.linear(self.o_proj, out.reshape(-1, self.q_size))
 
     def _rotate_and_attend(self, qkv, q, k, v, cos, sin, kv_cache, meta) -> torch.Tensor:
         if (ops := _fused_ops(q)) is not None:
@@ -159,7 +159,7 @@ def final_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     hidden = model.norm(hidden)
     if model.lm_head is None:
         return F.linear(hidden, model.embed_tokens.weight)
-    return model.lm_head(hidden)
+    return triton_linear.linear(model.lm_head, hidden)
 
 
 class LlamaForCausalLM(nn.Module):
