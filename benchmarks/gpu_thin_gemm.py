@@ -3,12 +3,12 @@ GEMM over tensor descriptors, with and without split-K (one device call).
 
     python benchmarks/gpu_thin_gemm.py [--rows 64,256] [--shapes qkv,o,down,lm_head]
 
-The decode graphs run qkv, o_proj and down_proj on cuBLASLt at 72-84 % of the copy rate at 64
-rows (docs/performance.md); the gate/up GEMM with SiLU (``layers/triton_gate_up.py``), a
-persistent TMA kernel with 64 x 64 tiles, reaches 92 %. This times the same kind of kernel on the
-other shapes, over launch settings and split-K factors (split-K: float32 partial sums in a
-workspace, then a reduction in a fixed order), each as the median of CUDA-graph replays, and
-checks each result against cuBLASLt's. GB/s counts the weight bytes.
+Before ``layers/triton_linear.py`` the decode graphs ran qkv, o_proj and down_proj on cuBLASLt at
+72-84 % of the copy rate at 64 rows (docs/performance.md), while the gate/up GEMM with SiLU
+(``layers/triton_gate_up.py``), a persistent TMA kernel with 64 x 64 tiles, reached 92 %. This
+times the same kind of kernel on the other shapes over launch settings and split-K factors
+(split-K: float32 partial sums in a workspace, then a reduction in a fixed order), each as the
+median of CUDA-graph replays, and checks each result against cuBLASLt's. GB/s counts the weight bytes.
 """
 
 from __future__ import annotations
