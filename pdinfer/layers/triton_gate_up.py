@@ -147,11 +147,6 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, num_programs: int, cfg: dict 
     return out
 
 
-@functools.cache
-def multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def mlp_gate_up_silu(gate_up: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The MLP's ``silu_and_mul(gate_up(x))`` through ``gate_up_silu`` (``applies`` holds)."""
     return gate_up_silu(x, gate_up.weight, multiprocessors(x.get_device()))
@@ -160,12 +155,18 @@ def mlp_gate_up_silu(gate_up: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def applies(gate_up: nn.Module, x: torch.Tensor) -> bool:
     """Whether the MLP's ``gate_up`` linear on ``x`` takes ``gate_up_silu``: switched on, a plain
     bias-free ``nn.Linear`` (not a batch-invariant, FP8 or packed one) in 16-bit floats on CUDA,
-    with rows and weight that tensor descriptors can address (16-byte aligned, unit stride)."""
+    with rows and weight that tensor descriptors can address (``descriptor_operands``)."""
     if not (ENABLED and HAS_TRITON and type(gate_up) is nn.Linear and gate_up.bias is None):
         return False
     if config_for(x.shape[0]) is None:  # the pair is faster there (module doc)
         return False
-    w = gate_up.weight
+    return descriptor_operands(x, gate_up.weight, gate_up.weight.shape[0] // 2)
+
+
+def descriptor_operands(x: torch.Tensor, w: torch.Tensor, out_columns: int) -> bool:
+    """Whether a GEMM of ``x`` [M, K] and ``w`` [N, K] with an output ``out_columns`` wide can run
+    on tensor descriptors: both CUDA tensors in one 16-bit float dtype, ``x`` two-dimensional,
+    unit stride along K, 16-byte aligned starts and rows, output rows a multiple of 16 bytes."""
     return (
         x.is_cuda
         and x.dim() == 2
@@ -174,5 +175,10 @@ def applies(gate_up: nn.Module, x: torch.Tensor) -> bool:
         and x.stride(-1) == 1
         and w.stride(-1) == 1
         and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, w))
-        and w.shape[0] // 2 * w.element_size() % 16 == 0  # the output's rows, for its descriptor
+        and out_columns * w.element_size() % 16 == 0
     )
+
+
+@functools.cache
+def multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -30,11 +30,10 @@ the model's dtype, as cuBLAS's unsplit kernels do.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
+from pdinfer.layers.triton_gate_up import descriptor_operands, multiprocessors
 from pdinfer.layers.triton_ops import HAS_TRITON, tl, triton
 
 ENABLED = True  # the engine's switch (``applies``); benchmarks turn it off to compare
@@ -106,29 +105,16 @@ def matmul(x: torch.Tensor, w: torch.Tensor, num_programs: int, cfg: dict | None
     return out
 
 
-@functools.cache
-def multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def applies(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``module(x)`` takes ``matmul``: switched on, a plain bias-free ``nn.Linear`` (not a
-    batch-invariant, FP8 or packed one) in 16-bit floats on CUDA, ``MIN_ROWS`` (``NARROW_MIN_ROWS``
-    below ``WIDE_COLUMNS`` output columns) to ``MAX_ROWS`` rows, operands that tensor descriptors can address (16-byte aligned rows, unit stride)."""
+    batch-invariant, FP8 or packed one), ``MIN_ROWS`` (``NARROW_MIN_ROWS`` below ``WIDE_COLUMNS``
+    output columns) to ``MAX_ROWS`` rows, operands that tensor descriptors can address
+    (``triton_gate_up.descriptor_operands``)."""
     if not (ENABLED and HAS_TRITON and type(module) is nn.Linear and module.bias is None):
         return False
     w = module.weight
-    return (
-        x.is_cuda
-        and x.dim() == 2
-        and (MIN_ROWS if w.shape[0] >= WIDE_COLUMNS else NARROW_MIN_ROWS) <= x.shape[0] <= MAX_ROWS
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and w.dtype == x.dtype
-        and x.stride(-1) == 1
-        and w.stride(-1) == 1
-        and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, w))
-        and w.shape[0] * w.element_size() % 16 == 0  # the output's rows, for its descriptor
-    )
+    low = MIN_ROWS if w.shape[0] >= WIDE_COLUMNS else NARROW_MIN_ROWS
+    return low <= x.shape[0] <= MAX_ROWS and descriptor_operands(x, w, w.shape[0])
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
