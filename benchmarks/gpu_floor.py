@@ -16,8 +16,8 @@ and then all together (the code before them):
 - ``silu-mid``: that GEMM from 65 to 1,024 rows (``triton_gate_up.MID_M``; off: the pair there);
 - ``bf16-logits``: the logits left in the model's dtype for a greedy step's argmax
   (``final_logits``; off: upcast to float32 inside the step, as before);
-- ``triton-linear``: qkv_proj, o_proj and the logits projection of 17-64-row steps on the
-  persistent Triton GEMM (``layers/triton_linear.py``; off: cuBLASLt).
+- ``triton-linear``: qkv_proj and o_proj of 41-64-row steps and the logits projection of
+  17-64-row steps on the persistent Triton GEMM (``layers/triton_linear.py``; off: cuBLASLt).
 Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
 attention kernels alone, with launch settings around the chosen ones.
 """
@@ -362,7 +362,7 @@ def main() -> None:
         "-silu-gemm": {"silu-gemm"},  # the gate/up GEMM with SiLU-and-mul in its epilogue
         "-silu-mid": {"silu-mid"},  # that GEMM from 65 to 1,024 rows (the pair there)
         "-bf16-logits": {"bf16-logits"},  # float32 logits inside the step
-        "-triton-linear": {"triton-linear"},  # cuBLASLt for qkv, o and the logits at 17-64 rows
+        "-triton-linear": {"triton-linear"},  # cuBLASLt for qkv, o and the logits
     }
     reference = None
     labels = []  # a variant named again (to alternate) gets its turn's number

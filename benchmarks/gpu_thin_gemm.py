@@ -6,9 +6,9 @@ GEMM over tensor descriptors, with and without split-K (one device call).
 Before ``layers/triton_linear.py`` the decode graphs ran qkv, o_proj and down_proj on cuBLASLt at
 72-84 % of the copy rate at 64 rows (docs/performance.md), while the gate/up GEMM with SiLU
 (``layers/triton_gate_up.py``), a persistent TMA kernel with 64 x 64 tiles, reached 92 %. This
-times the same kind of kernel on the other shapes over launch settings and split-K factors
-(split-K: float32 partial sums in a workspace, then a reduction in a fixed order), each as the
-median of CUDA-graph replays, and checks each result against cuBLASLt's. GB/s counts the weight bytes.
+times that kernel (``triton_linear.matmul``) on the other shapes over launch settings, and a
+split-K form of it (float32 partial sums in a workspace, then a reduction in a fixed order),
+each as the median of CUDA-graph replays, and checks each result against cuBLASLt's. GB/s counts the weight bytes.
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from benchmarks.gpu_micro import (  # noqa: E402
     log,
 )
 from benchmarks.gpu_speed import ceilings  # noqa: E402
+from pdinfer.layers import triton_linear  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "lm_head": (128256, 4096)}
 
 
 @triton.jit(do_not_specialize=["m"])
-def linear_kernel(
+def split_k_kernel(
     x_desc,
     w_desc,
-    out_desc,
     part_ptr,
     m,
     n,
@@ -50,26 +50,22 @@ def linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """``triton_linear.linear_kernel`` with K cut into ``split`` parts: float32 partial sums
+    [split, M, N] for ``reduce_kernel``."""
     num_m = tl.cdiv(m, BLOCK_M)
-    num_n = tl.cdiv(n, BLOCK_N)
     k_steps = tl.cdiv(tl.cdiv(k, BLOCK_K), split)
-    for tile in tl.range(tl.program_id(0), num_m * num_n * split, NUM_PROGRAMS):
+    for tile in tl.range(tl.program_id(0), num_m * tl.cdiv(n, BLOCK_N) * split, NUM_PROGRAMS):
         s = tile % split
         t = tile // split
         row = (t % num_m) * BLOCK_M
         col = (t // num_m) * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_lo = s * k_steps * BLOCK_K
-        k_hi = tl.minimum(k, k_lo + k_steps * BLOCK_K)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for k0 in range(k_lo, tl.minimum(k, k_lo + k_steps * BLOCK_K), BLOCK_K):
             acc = tl.dot(x_desc.load([row, k0]), w_desc.load([col, k0]).T, acc)
-        if split == 1:
-            out_desc.store([row, col], acc.to(out_desc.dtype))
-        else:
-            r = row + tl.arange(0, BLOCK_M)
-            c = col + tl.arange(0, BLOCK_N)
-            ptr = part_ptr + (s * m + r)[:, None].to(tl.int64) * n + c[None, :]
-            tl.store(ptr, acc, mask=(r < m)[:, None])
+        r = row + tl.arange(0, BLOCK_M)
+        c = col + tl.arange(0, BLOCK_N)
+        tl.store(part_ptr + (s * m + r)[:, None].to(tl.int64) * n + c[None, :], acc, mask=(r < m)[:, None])
 
 
 @triton.jit
@@ -83,22 +79,24 @@ def reduce_kernel(part_ptr, out_ptr, total, split, BLOCK: tl.constexpr):
 
 
 def make_linear(x, w, cfg, num_sms):
+    """The timed call: the engine's ``triton_linear.matmul`` unsplit, else ``split_k_kernel`` then
+    ``reduce_kernel``."""
+    split = cfg["split"]
+    if split == 1:
+        return lambda: triton_linear.matmul(x, w, num_sms, cfg)
     m, k = x.shape
     n = w.shape[0]
-    bm, bn, bk, split = cfg["bm"], cfg["bn"], cfg["bk"], cfg["split"]
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, bk])
     w_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [bn, bk])
-    out_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], [bm, bn])
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn) * split
-    programs = min(num_sms, tiles)
+    programs = min(num_sms, triton.cdiv(m, bm) * triton.cdiv(n, bn) * split)
 
     def run():
-        linear_kernel[(programs,)](
+        split_k_kernel[(programs,)](
             x_desc,
             w_desc,
-            out_desc,
             part,
             m,
             n,
@@ -108,12 +106,11 @@ def make_linear(x, w, cfg, num_sms):
             BLOCK_M=bm,
             BLOCK_N=bn,
             BLOCK_K=bk,
-            num_warps=cfg["warps"],
-            num_stages=cfg["stages"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
-        if split > 1:
-            total = m * n
-            reduce_kernel[(triton.cdiv(total, 2048),)](part, out, total, split, BLOCK=2048, num_warps=4)
+        total = m * n
+        reduce_kernel[(triton.cdiv(total, 2048),)](part, out, total, split, BLOCK=2048, num_warps=4)
         return out
 
     return run
@@ -134,8 +131,16 @@ def configs(rows: int, k: int):
             if (bm + bn) * bk * 2 * stages > 200 * 1024:
                 continue
             for split in (1, 2, 4) if k > 8192 else (1, 2):
+                warps = 4 if bm == 64 else 8  # the keys of triton_linear.CONFIG, plus split
                 out.append(
-                    {"bm": bm, "bn": bn, "bk": bk, "stages": stages, "warps": 4 if bm == 64 else 8, "split": split}
+                    {
+                        "block_m": bm,
+                        "block_n": bn,
+                        "block_k": bk,
+                        "num_stages": stages,
+                        "num_warps": warps,
+                        "split": split,
+                    }
                 )
     return out
 

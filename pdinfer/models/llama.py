@@ -154,8 +154,8 @@ def final_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     """Logits of the final norm's output, in the model's dtype: through ``lm_head``, or the
     embedding where they are tied (``lm_head`` None; on CPU it may be a packed copy of the tied
     weight). Not upcast here: a greedy step needs only their argmax, which is the same in any
-    float dtype, and a batch-256 step of a 128k vocabulary would move 0.4 GB more for the float32
-    copy; ``Sampler`` and ``score_prompt`` upcast when they compute more than that."""
+    float dtype, and a batch-256 step of a 128k vocabulary would move 0.26 GB more for the
+    float32 copy; ``Sampler`` and ``score_prompt`` upcast when they compute more than that."""
     hidden = model.norm(hidden)
     if model.lm_head is None:
         return F.linear(hidden, model.embed_tokens.weight)
