@@ -17,7 +17,10 @@ and then all together (the code before them):
 - ``bf16-logits``: the logits left in the model's dtype for a greedy step's argmax
   (``final_logits``; off: upcast to float32 inside the step, as before);
 - ``triton-linear``: qkv_proj and o_proj of 41-64-row steps and the logits projection of
-  17-64-row steps on the persistent Triton GEMM (``layers/triton_linear.py``; off: cuBLASLt).
+  17-64-row steps on the persistent Triton GEMM (``layers/triton_linear.py``; off: cuBLASLt);
+- ``+o-256`` (on, not off): o_proj on that GEMM up to 256 rows (``SQUARE_MAX_ROWS``);
+- ``q-rotary``: a fresh prompts' step rotating its queries in the prefill attention kernel
+  (``TritonPagedAttention.fresh_rotates_q``; off: ``rotary_write_kv`` rotates them in place).
 Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
 attention kernels alone, with launch settings around the chosen ones.
 """
@@ -37,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_correctness import random_prompts  # noqa: E402
-from benchmarks.gpu_micro import FIG, ROWS, graph_timed, llama_8b, log  # noqa: E402
+from benchmarks.gpu_micro import FIG, ROWS, device_clocks, graph_timed, llama_8b, log  # noqa: E402
 from benchmarks.gpu_speed import (  # noqa: E402
     bench_decode,
     bench_prefill,
@@ -59,8 +62,12 @@ def variant(off: set[str]):
     """The named changes switched off for the block (module switches; graphs recaptured)."""
     backend = tp.TritonPagedAttention
     saved = (backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED)
-    linear_enabled = triton_linear.ENABLED
+    rotates_q = backend.fresh_rotates_q
+    backend.fresh_rotates_q = "q-rotary" not in off
+    linear_enabled, square_max = triton_linear.ENABLED, triton_linear.SQUARE_MAX_ROWS
     triton_linear.ENABLED = "triton-linear" not in off
+    if "+o-256" in off:  # (a change switched on, not off)
+        triton_linear.SQUARE_MAX_ROWS = 256
     config_for = triton_gate_up.config_for
     compute_logits = LlamaForCausalLM.compute_logits
     if "bf16-logits" in off:
@@ -80,7 +87,8 @@ def variant(off: set[str]):
         backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED = saved
         triton_gate_up.config_for = config_for
         LlamaForCausalLM.compute_logits = compute_logits  # type: ignore[method-assign]
-        triton_linear.ENABLED = linear_enabled
+        triton_linear.ENABLED, triton_linear.SQUARE_MAX_ROWS = linear_enabled, square_max
+        backend.fresh_rotates_q = rotates_q
 
 
 def compiled_kernels() -> dict[str, int]:
@@ -123,10 +131,15 @@ def measure(llm: LLM, name: str, reference_tokens) -> list[list[int]]:
             f"graph {g:.3f} ms ({1e3 * b / floor / g:.1%})"
         )
     for n, length in ((4, 2048), (1, 8191)):
-        tok_s = bench_prefill(llm, n, length, seed=1000 * len(FIG) + length)  # fresh prompts per variant
+        with device_clocks(f"{name} prefill {n}x{length}"):
+            tok_s = bench_prefill(llm, n, length, seed=1000 * len(FIG) + length)  # fresh prompts per variant
         rate = prefill_flops(llm, n, length) * tok_s / (n * length)
-        res[f"prefill_{n}x{length}"] = {"tok_s": tok_s, "frac": rate / FIG["matmul_rate"]}
-        log(f"  [{name}] prefill {n}x{length}: {tok_s:.0f} tok/s, {rate / FIG['matmul_rate']:.1%} of matmul")
+        sustained = rate / FIG["matmul_rate_sustained"]
+        res[f"prefill_{n}x{length}"] = {"tok_s": tok_s, "frac": rate / FIG["matmul_rate"], "frac_sustained": sustained}
+        log(
+            f"  [{name}] prefill {n}x{length}: {tok_s:.0f} tok/s, {rate / FIG['matmul_rate']:.1%} of matmul "
+            f"({sustained:.1%} of the sustained rate)"
+        )
     tokens = greedy_tokens(llm)
     same = sum(a == b for a, b in zip(tokens, reference_tokens or tokens))
     res["greedy_same"] = same
@@ -286,6 +299,36 @@ def micro_shape(llm: LLM, n: int, length: int) -> None:
             log(f"  prefill attn {n}x{length} fresh {cfg}: FAIL {type(e).__name__}: {str(e)[:160]}")
         triton_prefill.FRESH_CONFIG.clear()
         triton_prefill.FRESH_CONFIG.update(saved)
+    # the rotary + KV write pass and the fresh kernel: queries rotated in place by the first
+    # (``fresh_rotates_q`` off) or in the second, as they are loaded
+    cos, sin = runner.model.rotary.cos_sin(torch.arange(length, device="cuda").repeat(n), runner.dtype)
+    for in_kernel in (False, True):
+
+        def pair(in_kernel=in_kernel, out=out, meta=meta, q=q, k=k, v=v):
+            tp.rotary_write_kv(q, k, v, cos, sin, layer, slots, rotate_q=not in_kernel)
+            triton_prefill.fresh_prefill_attention(
+                q,
+                k,
+                v,
+                meta.query_start,
+                meta.work_seq,
+                meta.work_tile,
+                meta.num_work,
+                scale * tp.LOG2E,
+                tp.PREFILL_BLOCK_M,
+                out,
+                (cos, sin) if in_kernel else None,
+            )
+
+        try:
+            sec = graph_timed(pair)
+            where = "in the attention kernel" if in_kernel else "in place by rotary_write_kv"
+            log(f"  rotary_write_kv + fresh attn {n}x{length}, queries rotated {where}: {sec * 1e6:.0f} us")
+            FIG[f"rotary_attn_{n}x{length}_{'kernel' if in_kernel else 'in_place'}"] = sec
+        except Exception as e:  # noqa: BLE001
+            log(
+                f"  rotary_write_kv + fresh attn {n}x{length} (in kernel {in_kernel}): FAIL {type(e).__name__}: {str(e)[:160]}"
+            )
     qs = q.view(n, length, h, dim).transpose(1, 2)
     ks = k.view(n, length, kvh, dim).transpose(1, 2).repeat_interleave(h // kvh, 1)
     vs = v.view(n, length, kvh, dim).transpose(1, 2).repeat_interleave(h // kvh, 1)
@@ -331,7 +374,10 @@ def main() -> None:
 
     log(f"triton {triton.__version__}")
     ceilings()
-    log(f"  copy {FIG['copy_bw'] / 1e12:.2f} TB/s, matmul {FIG['matmul_rate'] / 1e12:.0f} TFLOP/s")
+    log(
+        f"  copy {FIG['copy_bw'] / 1e12:.2f} TB/s, matmul {FIG['matmul_rate'] / 1e12:.0f} TFLOP/s "
+        f"(sustained {FIG['matmul_rate_sustained'] / 1e12:.0f})"
+    )
     if args.tunable:
         torch.cuda.tunable.enable(True)
         torch.cuda.tunable.tuning_enable(True)
@@ -358,11 +404,13 @@ def main() -> None:
         "-rotary+kv": {"rotary+kv"},
         "-fresh": {"fresh"},
         "-decode-kv": {"decode-kv"},
-        "old": {"rotary+kv", "fresh", "decode-kv", "silu-gemm", "bf16-logits", "triton-linear"},
+        "old": {"rotary+kv", "fresh", "decode-kv", "silu-gemm", "bf16-logits", "triton-linear", "q-rotary"},
         "-silu-gemm": {"silu-gemm"},  # the gate/up GEMM with SiLU-and-mul in its epilogue
         "-silu-mid": {"silu-mid"},  # that GEMM from 65 to 1,024 rows (the pair there)
         "-bf16-logits": {"bf16-logits"},  # float32 logits inside the step
         "-triton-linear": {"triton-linear"},  # cuBLASLt for qkv, o and the logits
+        "+o-256": {"+o-256"},  # o_proj on the Triton GEMM up to 256 rows
+        "-q-rotary": {"q-rotary"},  # fresh prompts' queries rotated in place by the KV write's kernel
     }
     reference = None
     labels = []  # a variant named again (to alternate) gets its turn's number

@@ -5,8 +5,12 @@ one eager decode step, and the KV blocks each engine role gets. Run through ``gp
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import shutil
 import statistics
+import subprocess
+import time
 
 import torch
 
@@ -57,6 +61,48 @@ def timed(fn, repeats: int = 10, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
+
+
+@contextlib.contextmanager
+def device_clocks(label: str, period_ms: int = 20):
+    """The GPU's SM clock, power and temperature while the block runs, sampled by ``nvidia-smi``
+    every ``period_ms`` (its first sample comes about 0.1 s in); their means are logged and kept
+    in ``FIG["clocks"][label]``. A rate probe of a few milliseconds runs at the boost clock; a
+    190 ms prefill step may not, and this says which clock each figure had. Does nothing
+    without ``nvidia-smi``."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        yield
+        return
+    query = "--query-gpu=clocks.sm,power.draw,temperature.gpu"
+    cmd = [smi, query, "--format=csv,noheader,nounits", "-lms", str(period_ms), "-i", str(torch.cuda.current_device())]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        proc.terminate()
+        out, _ = proc.communicate()
+        samples = []
+        for line in out.splitlines():
+            with contextlib.suppress(ValueError):
+                samples.append([float(x) for x in line.split(",")])
+        if samples:
+            clock, power, temp = (statistics.mean(col) for col in zip(*samples))
+            low = min(s[0] for s in samples)
+            FIG.setdefault("clocks", {})[label] = {  # type: ignore[union-attr]
+                "sm_mhz": clock,
+                "sm_mhz_min": low,
+                "power_w": power,
+                "temp_c": temp,
+                "samples": len(samples),
+            }
+            log(
+                f"  clocks [{label}]: SM {clock:.0f} MHz (min {low:.0f}), {power:.0f} W, {temp:.0f} C, "
+                f"{len(samples)} samples over {seconds:.2f} s"
+            )
 
 
 def free_memory() -> None:

@@ -378,6 +378,60 @@ def test_fresh_prefill_reads_qkv_rows(num_heads):
         assert rel_err(out[rows], ref) < 2e-3, s
 
 
+@pytest.mark.parametrize("num_heads", [4, 2])
+def test_fresh_prefill_rotating_queries_is_rotary_write_then_attention(num_heads):
+    """A fresh prompts' step through the backend (its prefill kernel rotating the query tiles as
+    it loads them, ``rotary_write_kv`` rotating and storing only the keys) gives the output and
+    cache of rotating q and k in place first, bit for bit, and leaves q as it was."""
+    from pdinfer.layers.attention import triton_prefill
+
+    query_lens = [7, 150, 1, 20]
+    qstart = [0]
+    for n in query_lens:
+        qstart.append(qstart[-1] + n)
+    t = qstart[-1]
+    tiles = [-(-n // tp.PREFILL_BLOCK_M) for n in query_lens]
+    slots = torch.arange(t) + 3  # any slots: only the cache's bytes are compared
+    meta = tp.GpuAttentionMetadata(
+        False,
+        slots,
+        torch.zeros(len(query_lens), 1, dtype=torch.int32),  # unread by the fresh kernel
+        torch.tensor(query_lens),
+        query_start=torch.tensor(qstart),
+        work_seq=torch.tensor([s for s, n in enumerate(tiles) for _ in range(n)]),
+        work_tile=torch.tensor([i for n in tiles for i in range(n)]),
+        num_work=sum(tiles),
+        num_tokens=t,
+        fresh=True,
+    )
+    qkv = torch.randn(t, (num_heads + 2 * KV_HEADS) * HEAD_DIM).half()
+    rot = RotaryEmbedding(HEAD_DIM, 10000.0, {})
+    cos, sin = rot.cos_sin(torch.cat([torch.arange(n) for n in query_lens]), torch.float16)
+    assert triton_prefill.fresh_rotary_supported(cos, sin)
+    backend = tp.TritonPagedAttention(num_heads, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    kv0 = make_cache(torch.float16)[0]
+    results = []
+    for in_kernel in (False, True):
+        x, kv = qkv.clone(), kv0.clone()
+        q, k, v = split_qkv(x, num_heads)
+        if in_kernel:
+            out = backend.forward(q, k, v, kv[:, 1], meta, rotary=(cos, sin))
+        else:  # the reference: the rotary kernel, then the fresh kernel on rotated queries
+            tp.rotary_write_kv(q, k, v, cos, sin, kv[:, 1], slots)
+            out = torch.full((t, num_heads, HEAD_DIM), float("nan"), dtype=torch.float16)
+            triton_prefill.fresh_prefill_attention(
+                q, k, v, meta.query_start, meta.work_seq, meta.work_tile, meta.num_work,
+                HEAD_DIM**-0.5 * tp.LOG2E, tp.PREFILL_BLOCK_M, out,
+            )  # fmt: skip
+        results.append((x, kv, out))
+    (x_ref, kv_ref, out_ref), (x_new, kv_new, out_new) = results
+    q_cols = num_heads * HEAD_DIM
+    assert torch.equal(x_new[:, :q_cols], qkv[:, :q_cols])  # q left unrotated
+    assert not torch.equal(x_ref[:, :q_cols], qkv[:, :q_cols])  # the reference rotated it
+    assert torch.equal(x_new[:, q_cols:], x_ref[:, q_cols:]) and torch.equal(kv_new, kv_ref)
+    assert not out_new.isnan().any() and torch.equal(out_new, out_ref)
+
+
 def test_half_precision_decode_close_to_reference():
     # float16: the interpreter emulates bfloat16 dots incorrectly; bf16 is checked on the GPU
     _, layer = make_cache(torch.float16)

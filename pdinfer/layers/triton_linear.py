@@ -40,6 +40,9 @@ ENABLED = True  # the engine's switch (``applies``); benchmarks turn it off to c
 MIN_ROWS = 17  # fewer rows: cuBLASLt (not measured against this kernel there)
 NARROW_MIN_ROWS = 41  # outputs narrower than WIDE_COLUMNS (qkv_proj, o_proj) from this many rows
 MAX_ROWS = 64  # more rows: cuBLASLt, as fast or faster at 256 rows
+# o_proj (an output no wider than its input) up to this many rows; alone at 256 rows it took 16.9
+# us against cuBLASLt's 18.9 (benchmarks/gpu_floor.py's ``+o-256`` variant times it in the engine)
+SQUARE_MAX_ROWS = 64
 CONFIG = {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 6}
 WIDE = {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3}
 WIDE_COLUMNS = 32768  # an output at least this wide (the logits projection) takes ``WIDE``
@@ -114,7 +117,8 @@ def applies(module: nn.Module, x: torch.Tensor) -> bool:
         return False
     w = module.weight
     low = MIN_ROWS if w.shape[0] >= WIDE_COLUMNS else NARROW_MIN_ROWS
-    return low <= x.shape[0] <= MAX_ROWS and descriptor_operands(x, w, w.shape[0])
+    high = SQUARE_MAX_ROWS if w.shape[0] <= w.shape[1] else MAX_ROWS
+    return low <= x.shape[0] <= high and descriptor_operands(x, w, w.shape[0])
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,9 @@ head_dim]``; a layer's view ``kv[:, layer]`` is what the kernels take, with its 
 - ``write_kv``: one program per new token stores its K and V into its slot (slot -1: skip, the
   padding rows of a CUDA-graph batch).
 - ``rotary_write_kv``: the same after rotating Q and K in place (the rotary embedding and the
-  KV write in one launch, the values of ``triton_ops.rotary_qk_`` then ``write_kv`` bit for bit).
+  KV write in one launch, the values of ``triton_ops.rotary_qk_`` then ``write_kv`` bit for bit);
+  with ``rotate_q=False`` Q is left as it is, for an attention kernel that rotates its query
+  tiles as it loads them (``triton_prefill``: one pass over Q fewer).
 
 An FP8 cache (``float8_e4m3fn``) stores k / k_scale and v / v_scale, clamped to e4m3's range
 and rounded (round to nearest even); ``layers/fp8.py`` says why the scales are static.
@@ -98,16 +100,18 @@ if HAS_TRITON:
         KV_HEADS_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         KV_FP8: tl.constexpr = False,
+        ROTATE_Q: tl.constexpr = True,
     ):
         """Program (t, 0) rotates token t's query heads in place; program (t, 1) rotates its key
         heads in place and stores them, with its value heads, into the token's slot (the
-        rotation is ``rotate_halves``, so the values are ``_rotary_qk_kernel``'s bit for bit)."""
+        rotation is ``rotate_halves``, so the values are ``_rotary_qk_kernel``'s bit for bit).
+        Without ``ROTATE_Q`` the grid is (T, 1) and its programs do the keys' part."""
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, HALF_PAD)
         dmask = d < HALF
         c = tl.load(cos_ptr + t * stride_cos + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
         s = tl.load(sin_ptr + t * stride_cos + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-        if tl.program_id(1) == 0:  # (names apart from the other branch's: their shapes differ)
+        if ROTATE_Q and tl.program_id(1) == 0:  # (names apart from the other branch's: their shapes differ)
             qh = tl.arange(0, Q_HEADS_PAD)
             qmask = (qh[:, None] < num_q_heads) & dmask[None, :]
             qp = q_ptr + t * stride_qt + qh[:, None] * stride_qh + d[None, :]
@@ -191,11 +195,13 @@ def rotary_write_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    rotate_q: bool = True,
 ) -> None:
     """``rotary_qk_(q, k, cos, sin)`` then ``write_kv(k, v, ...)`` in one launch, the same values
     bit for bit: q [T, H, D] and k [T, KVH, D] rotated in place (strided views of one QKV
     output, unit stride in the last dim), the rotated k and v stored into their slots. The
-    rotary embedding must cover the whole head (``cos`` [T, D])."""
+    rotary embedding must cover the whole head (``cos`` [T, D]). ``rotate_q=False``: q is left
+    unrotated (its attention kernel rotates it)."""
     t, h, dim = q.shape
     kvh = k.shape[1]
     if t == 0:
@@ -203,7 +209,7 @@ def rotary_write_kv(
     check_rotary_shapes(q, k, v, cos)
     c = layer_cache
     half = dim // 2
-    rotary_write_kv_kernel[(t, 2)](
+    rotary_write_kv_kernel[(t, 2 if rotate_q else 1)](
         q,
         k,
         v,
@@ -229,6 +235,7 @@ def rotary_write_kv(
         KV_HEADS_PAD=next_pow2(kvh),
         BLOCK_SIZE=c.shape[2],
         KV_FP8=is_fp8(c),
+        ROTATE_Q=rotate_q,
         num_warps=4,
         **ROUNDED_PRODUCTS,
     )

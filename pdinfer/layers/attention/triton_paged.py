@@ -49,7 +49,11 @@ import torch
 
 from pdinfer.layers.attention import triton_kernels as kernels
 from pdinfer.layers.attention.triton_kv_write import check_rotary_shapes, is_fp8, rotary_write_kv, write_kv
-from pdinfer.layers.attention.triton_prefill import fresh_prefill_attention, fresh_prefill_supported
+from pdinfer.layers.attention.triton_prefill import (
+    fresh_prefill_attention,
+    fresh_prefill_supported,
+    fresh_rotary_supported,
+)
 from pdinfer.layers.triton_ops import HAS_TRITON, ROUNDED_PRODUCTS, next_pow2
 
 LOG2E = 1.4426950408889634
@@ -340,6 +344,9 @@ class TritonPagedAttention:
     # so an engine whose decode steps hold several rows of one sequence (speculative decoding's
     # verifying steps: row i reads what rows < i write) turns it off (``use_triton_attention``).
     decode_writes_kv = True
+    # and a fresh prompts' step rotates its queries in the prefill attention kernel (the KV
+    # write's kernel then rotates only the keys); benchmarks switch it off to compare
+    fresh_rotates_q = True
 
     def forward(
         self,
@@ -355,6 +362,21 @@ class TritonPagedAttention:
         None: q and k come rotated."""
         ks, vs = self.k_scale, self.v_scale
         out = torch.empty((q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
+        qs, ws, wt = meta.query_start, meta.work_seq, meta.work_tile
+        fresh = (
+            not meta.is_decode
+            and meta.fresh
+            and not meta.batch_invariant
+            and not is_fp8(layer_cache)
+            and qs is not None
+            and ws is not None
+            and wt is not None
+            and fresh_prefill_supported(q, k, v)
+        )
+        # Fresh prompts' queries are rotated by their attention kernel as it loads them (one pass
+        # over Q fewer), the keys by the KV write's kernel.
+        rotates_q = fresh and rotary is not None and self.fresh_rotates_q and fresh_rotary_supported(*rotary)
+        q_rotary = rotary if rotates_q else None
         # At decode the attention kernel rotates and writes the new K/V itself (one launch); FP8
         # caches keep the pair (at batch 256 the one launch was 4 % slower on them and 1.5 %
         # faster on bf16: docs/performance.md).
@@ -362,7 +384,8 @@ class TritonPagedAttention:
         if meta.is_decode and rotary is not None and self.decode_writes_kv and not is_fp8(layer_cache):
             fused = DecodeRotary(k, v, rotary[0], rotary[1], meta.slot_mapping)
         elif rotary is not None:  # new K/V first: queries read their chunk (and same-step prefix hits) from the cache
-            rotary_write_kv(q, k, v, rotary[0], rotary[1], layer_cache, meta.slot_mapping, ks, vs)
+            rotate_q = q_rotary is None
+            rotary_write_kv(q, k, v, rotary[0], rotary[1], layer_cache, meta.slot_mapping, ks, vs, rotate_q)
         else:
             write_kv(k, v, layer_cache, meta.slot_mapping, ks, vs)
         if meta.is_decode:
@@ -379,12 +402,11 @@ class TritonPagedAttention:
                 meta.batch_invariant,
                 fused,
             )
-        qs, ws, wt = meta.query_start, meta.work_seq, meta.work_tile
-        if meta.fresh and not meta.batch_invariant and not is_fp8(layer_cache) and fresh_prefill_supported(q, k, v):
-            if qs is not None and ws is not None and wt is not None:
-                return fresh_prefill_attention(
-                    q, k, v, qs, ws, wt, meta.num_work, self.scale * LOG2E, PREFILL_BLOCK_M, out
-                )
+        if fresh:
+            assert qs is not None and ws is not None and wt is not None
+            return fresh_prefill_attention(
+                q, k, v, qs, ws, wt, meta.num_work, self.scale * LOG2E, PREFILL_BLOCK_M, out, q_rotary
+            )
         return prefill_attention(q, layer_cache, meta, self.scale, out, ks, vs)
 
 
