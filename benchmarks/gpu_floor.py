@@ -18,7 +18,6 @@ and then all together (the code before them):
   (``final_logits``; off: upcast to float32 inside the step, as before);
 - ``triton-linear``: qkv_proj and o_proj of 41-64-row steps and the logits projection of
   17-64-row steps on the persistent Triton GEMM (``layers/triton_linear.py``; off: cuBLASLt);
-- ``+o-256`` (on, not off): o_proj on that GEMM up to 256 rows (``SQUARE_MAX_ROWS``);
 - ``q-rotary``: a fresh prompts' step rotating its queries in the prefill attention kernel
   (``TritonPagedAttention.fresh_rotates_q``; off: ``rotary_write_kv`` rotates them in place).
 Greedy tokens of every variant are compared with the first. ``micro`` times the prefill
@@ -64,10 +63,8 @@ def variant(off: set[str]):
     saved = (backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED)
     rotates_q = backend.fresh_rotates_q
     backend.fresh_rotates_q = "q-rotary" not in off
-    linear_enabled, square_max = triton_linear.ENABLED, triton_linear.SQUARE_MAX_ROWS
+    linear_enabled = triton_linear.ENABLED
     triton_linear.ENABLED = "triton-linear" not in off
-    if "+o-256" in off:  # (a change switched on, not off)
-        triton_linear.SQUARE_MAX_ROWS = 256
     config_for = triton_gate_up.config_for
     compute_logits = LlamaForCausalLM.compute_logits
     if "bf16-logits" in off:
@@ -87,7 +84,7 @@ def variant(off: set[str]):
         backend.fuses_rotary, backend.decode_writes_kv, tp.fresh_prefill_supported, triton_gate_up.ENABLED = saved
         triton_gate_up.config_for = config_for
         LlamaForCausalLM.compute_logits = compute_logits  # type: ignore[method-assign]
-        triton_linear.ENABLED, triton_linear.SQUARE_MAX_ROWS = linear_enabled, square_max
+        triton_linear.ENABLED = linear_enabled
         backend.fresh_rotates_q = rotates_q
 
 
@@ -409,7 +406,6 @@ def main() -> None:
         "-silu-mid": {"silu-mid"},  # that GEMM from 65 to 1,024 rows (the pair there)
         "-bf16-logits": {"bf16-logits"},  # float32 logits inside the step
         "-triton-linear": {"triton-linear"},  # cuBLASLt for qkv, o and the logits
-        "+o-256": {"+o-256"},  # o_proj on the Triton GEMM up to 256 rows
         "-q-rotary": {"q-rotary"},  # fresh prompts' queries rotated in place by the KV write's kernel
     }
     reference = None

@@ -16,7 +16,9 @@ against cuBLASLt):
 | down_proj (4,096 x 14,336) | | | 43.7 / 43.1 | 62.3 / 62.3 |
 
 (o_proj's 34 MB weight stays in L2 between replays, hence cuBLASLt's times under the copy
-floor of 11.1 us; in a step the attention's K/V pass through L2 in between.) So the kernel
+floor of 11.1 us; in a step the attention's K/V pass through L2 in between.) o_proj on this
+kernel up to 256 rows, faster alone there, made the batch-256 graph slower in the engine
+(15.72 against 15.61 ms, H100, 2026-12-06 21:21), so 256-row steps keep cuBLASLt. So the kernel
 takes the logits projection (``WIDE``: 128-column tiles, three stages) from ``MIN_ROWS`` to
 ``MAX_ROWS`` rows, and qkv_proj and o_proj from ``NARROW_MIN_ROWS``; the model calls ``linear``
 for those three. down_proj keeps ``nn.Linear``, and so does every linear of other row counts.
@@ -40,9 +42,6 @@ ENABLED = True  # the engine's switch (``applies``); benchmarks turn it off to c
 MIN_ROWS = 17  # fewer rows: cuBLASLt (not measured against this kernel there)
 NARROW_MIN_ROWS = 41  # outputs narrower than WIDE_COLUMNS (qkv_proj, o_proj) from this many rows
 MAX_ROWS = 64  # more rows: cuBLASLt, as fast or faster at 256 rows
-# o_proj (an output no wider than its input) up to this many rows; alone at 256 rows it took 16.9
-# us against cuBLASLt's 18.9 (benchmarks/gpu_floor.py's ``+o-256`` variant times it in the engine)
-SQUARE_MAX_ROWS = 64
 CONFIG = {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 6}
 WIDE = {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3}
 WIDE_COLUMNS = 32768  # an output at least this wide (the logits projection) takes ``WIDE``
@@ -117,8 +116,7 @@ def applies(module: nn.Module, x: torch.Tensor) -> bool:
         return False
     w = module.weight
     low = MIN_ROWS if w.shape[0] >= WIDE_COLUMNS else NARROW_MIN_ROWS
-    high = SQUARE_MAX_ROWS if w.shape[0] <= w.shape[1] else MAX_ROWS
-    return low <= x.shape[0] <= high and descriptor_operands(x, w, w.shape[0])
+    return low <= x.shape[0] <= MAX_ROWS and descriptor_operands(x, w, w.shape[0])
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
