@@ -218,6 +218,23 @@ def micro_prefill(llm: LLM) -> None:
         torch.cuda.empty_cache()
 
 
+def fresh_attention(q, k, v, meta, scale, out, rotary=None):
+    """The fresh prefill kernel over ``meta``'s tiles (``rotary``: the queries still to rotate)."""
+    triton_prefill.fresh_prefill_attention(
+        q,
+        k,
+        v,
+        meta.query_start,
+        meta.work_seq,
+        meta.work_tile,
+        meta.num_work,
+        scale * tp.LOG2E,
+        tp.PREFILL_BLOCK_M,
+        out,
+        rotary,
+    )
+
+
 def micro_shape(llm: LLM, n: int, length: int) -> None:
     import numpy as np
 
@@ -270,18 +287,7 @@ def micro_shape(llm: LLM, n: int, length: int) -> None:
         triton_prefill.FRESH_CONFIG.update(cfg)
 
         def run(out=out, meta=meta, q=q, k=k, v=v):
-            triton_prefill.fresh_prefill_attention(
-                q,
-                k,
-                v,
-                meta.query_start,
-                meta.work_seq,
-                meta.work_tile,
-                meta.num_work,
-                scale * tp.LOG2E,
-                tp.PREFILL_BLOCK_M,
-                out,
-            )
+            fresh_attention(q, k, v, meta, scale, out)
 
         try:
             run()
@@ -303,19 +309,7 @@ def micro_shape(llm: LLM, n: int, length: int) -> None:
 
         def pair(in_kernel=in_kernel, out=out, meta=meta, q=q, k=k, v=v):
             tp.rotary_write_kv(q, k, v, cos, sin, layer, slots, rotate_q=not in_kernel)
-            triton_prefill.fresh_prefill_attention(
-                q,
-                k,
-                v,
-                meta.query_start,
-                meta.work_seq,
-                meta.work_tile,
-                meta.num_work,
-                scale * tp.LOG2E,
-                tp.PREFILL_BLOCK_M,
-                out,
-                (cos, sin) if in_kernel else None,
-            )
+            fresh_attention(q, k, v, meta, scale, out, (cos, sin) if in_kernel else None)
 
         try:
             sec = graph_timed(pair)

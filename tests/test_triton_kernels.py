@@ -344,6 +344,17 @@ def test_prefill_attention_with_cached_prefix(num_heads):
         assert rel_err(out[rows], ref) < 1e-5, s
 
 
+def fresh_tiles(query_lens: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """A fresh prompts' step's query starts and its (sequence, tile) work list, in order."""
+    qstart = [0]
+    for n in query_lens:
+        qstart.append(qstart[-1] + n)
+    tiles = [-(-n // tp.PREFILL_BLOCK_M) for n in query_lens]
+    work_seq = torch.tensor([s for s, n in enumerate(tiles) for _ in range(n)])
+    work_tile = torch.tensor([i for n in tiles for i in range(n)])
+    return qstart, work_seq, work_tile
+
+
 @pytest.mark.parametrize("num_heads", [4, 2])
 def test_fresh_prefill_reads_qkv_rows(num_heads):
     """Fresh prompts (no cached prefix): the descriptor kernel reads K/V from the QKV rows and
@@ -352,13 +363,8 @@ def test_fresh_prefill_reads_qkv_rows(num_heads):
     from pdinfer.layers.attention import triton_prefill
 
     query_lens = [7, 150, 1, 20]
-    qstart = [0]
-    for n in query_lens:
-        qstart.append(qstart[-1] + n)
+    qstart, work_seq, work_tile = fresh_tiles(query_lens)
     t = qstart[-1]
-    tiles = [-(-n // tp.PREFILL_BLOCK_M) for n in query_lens]
-    work_seq = torch.tensor([s for s, n in enumerate(tiles) for _ in range(n)])
-    work_tile = torch.tensor([i for n in tiles for i in range(n)])
     # float16: the interpreter emulates bfloat16 dots incorrectly; bf16 is checked on the GPU
     qkv = torch.randn(t, (num_heads + 2 * KV_HEADS) * HEAD_DIM).half()
     q, k, v = split_qkv(qkv, num_heads)
@@ -386,11 +392,8 @@ def test_fresh_prefill_rotating_queries_is_rotary_write_then_attention(num_heads
     from pdinfer.layers.attention import triton_prefill
 
     query_lens = [7, 150, 1, 20]
-    qstart = [0]
-    for n in query_lens:
-        qstart.append(qstart[-1] + n)
+    qstart, work_seq, work_tile = fresh_tiles(query_lens)
     t = qstart[-1]
-    tiles = [-(-n // tp.PREFILL_BLOCK_M) for n in query_lens]
     slots = torch.arange(t) + 3  # any slots: only the cache's bytes are compared
     meta = tp.GpuAttentionMetadata(
         False,
@@ -398,9 +401,9 @@ def test_fresh_prefill_rotating_queries_is_rotary_write_then_attention(num_heads
         torch.zeros(len(query_lens), 1, dtype=torch.int32),  # unread by the fresh kernel
         torch.tensor(query_lens),
         query_start=torch.tensor(qstart),
-        work_seq=torch.tensor([s for s, n in enumerate(tiles) for _ in range(n)]),
-        work_tile=torch.tensor([i for n in tiles for i in range(n)]),
-        num_work=sum(tiles),
+        work_seq=work_seq,
+        work_tile=work_tile,
+        num_work=len(work_seq),
         num_tokens=t,
         fresh=True,
     )
