@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,6 +31,7 @@ from benchmarks.gpu_micro import (  # noqa: E402
 )
 from benchmarks.gpu_speed import ceilings  # noqa: E402
 from pdinfer.layers import triton_linear  # noqa: E402
+from pdinfer.layers.triton_gate_up import matrix_descriptor  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "lm_head": (128256, 4096)}
 
@@ -89,8 +89,7 @@ def make_linear(x, w, cfg, num_sms):
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, bk])
-    w_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [bn, bk])
+    x_desc, w_desc = matrix_descriptor(x, [bm, bk]), matrix_descriptor(w, [bn, bk])
     programs = min(num_sms, triton.cdiv(m, bm) * triton.cdiv(n, bn) * split)
 
     def run():

@@ -122,9 +122,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, num_programs: int, cfg: dict 
     out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, bk])
-    w_desc = TensorDescriptor(w, [2 * inter, k], [w.stride(0), 1], [bn, bk])
-    out_desc = TensorDescriptor(out, [m, inter], [out.stride(0), 1], [bm, bn])
+    x_desc, w_desc, out_desc = (matrix_descriptor(t, b) for t, b in ((x, [bm, bk]), (w, [bn, bk]), (out, [bm, bn])))
     tiles = triton.cdiv(m, bm) * triton.cdiv(inter, bn)
     programs = min(num_programs, tiles)
     gate_up_silu_kernel[(programs,)](
@@ -161,6 +159,12 @@ def applies(gate_up: nn.Module, x: torch.Tensor) -> bool:
     if config_for(x.shape[0]) is None:  # the pair is faster there (module doc)
         return False
     return descriptor_operands(x, gate_up.weight, gate_up.weight.shape[0] // 2)
+
+
+def matrix_descriptor(t: torch.Tensor, block: list[int]):
+    """A tensor descriptor of the row-major matrix ``t`` (unit stride along its rows) that loads
+    and stores ``block``-shaped tiles (``descriptor_operands`` says which operands qualify)."""
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block)
 
 
 def descriptor_operands(x: torch.Tensor, w: torch.Tensor, out_columns: int) -> bool:

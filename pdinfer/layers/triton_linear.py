@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdinfer.layers.triton_gate_up import descriptor_operands, multiprocessors
+from pdinfer.layers.triton_gate_up import descriptor_operands, matrix_descriptor, multiprocessors
 from pdinfer.layers.triton_ops import HAS_TRITON, tl, triton
 
 ENABLED = True  # the engine's switch (``applies``); benchmarks turn it off to compare
@@ -48,8 +48,6 @@ WIDE_COLUMNS = 32768  # an output at least this wide (the logits projection) tak
 
 
 if HAS_TRITON:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     # ``m`` not specialized: the row count changes from step to step (one compiled variant)
     @triton.jit(do_not_specialize=["m"])
     def linear_kernel(
@@ -86,9 +84,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, num_programs: int, cfg: dict | None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, bk])
-    w_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [bn, bk])
-    out_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], [bm, bn])
+    x_desc, w_desc, out_desc = (matrix_descriptor(t, b) for t, b in ((x, [bm, bk]), (w, [bn, bk]), (out, [bm, bn])))
     programs = min(num_programs, triton.cdiv(m, bm) * triton.cdiv(n, bn))
     linear_kernel[(programs,)](
         x_desc,

@@ -384,8 +384,7 @@ class TritonPagedAttention:
         if meta.is_decode and rotary is not None and self.decode_writes_kv and not is_fp8(layer_cache):
             fused = DecodeRotary(k, v, rotary[0], rotary[1], meta.slot_mapping)
         elif rotary is not None:  # new K/V first: queries read their chunk (and same-step prefix hits) from the cache
-            rotate_q = q_rotary is None
-            rotary_write_kv(q, k, v, rotary[0], rotary[1], layer_cache, meta.slot_mapping, ks, vs, rotate_q)
+            rotary_write_kv(q, k, v, rotary[0], rotary[1], layer_cache, meta.slot_mapping, ks, vs, q_rotary is None)
         else:
             write_kv(k, v, layer_cache, meta.slot_mapping, ks, vs)
         if meta.is_decode:
