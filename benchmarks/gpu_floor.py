@@ -45,6 +45,7 @@ from benchmarks.gpu_speed import (  # noqa: E402
     bench_prefill,
     ceilings,
     decode_floor,
+    decode_roofline_ms,
     graph_step_ms,
     prefill_flops,
 )
@@ -119,13 +120,14 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
 def measure(llm: LLM, name: str, reference_tokens) -> list[list[int]]:
     res = {}
     for b in (64, 256):
-        d = bench_decode(llm, b)
+        with device_clocks(f"{name} decode {b}"):
+            d = bench_decode(llm, b)
         g = graph_step_ms(llm, b)
-        floor = decode_floor(llm, b)
-        res[f"decode_{b}"] = {"tok_s": d["tok_s"], "graph_ms": g, "floor_tok_s": floor}
+        floor, roofline = decode_floor(llm, b), decode_roofline_ms(llm, b)
+        res[f"decode_{b}"] = {"tok_s": d["tok_s"], "graph_ms": g, "floor_tok_s": floor, "roofline_ms": roofline}
         log(
             f"  [{name}] decode {b}: {d['tok_s']:.0f} tok/s ({d['tok_s'] / floor:.1%} of floor), "
-            f"graph {g:.3f} ms ({1e3 * b / floor / g:.1%})"
+            f"graph {g:.3f} ms ({1e3 * b / floor / g:.1%}; kernel rooflines {roofline:.2f} ms, {roofline / g:.1%})"
         )
     for n, length in ((4, 2048), (1, 8191)):
         with device_clocks(f"{name} prefill {n}x{length}"):

@@ -68,6 +68,29 @@ def decode_floor(llm: LLM, batch: int) -> float:
     return batch / (step_bytes / FIG["copy_bw"])
 
 
+def decode_roofline_ms(llm: LLM, batch: int) -> float:
+    """A decode step's time if each of its kernels ran at its own roofline, one after another:
+    every linear (the logits projection too) at max(weight bytes / copy bandwidth, FLOPs / the
+    matmul probe), attention at its K/V bytes / copy bandwidth; norms and the rest count nothing.
+
+    The byte floor (``decode_floor``) is lower wherever a step's GEMMs are compute-bound: at
+    M = 256 on an H200 their FLOPs take longer than their bytes, and only two micro-batches
+    (every weight read twice) could overlap them with attention's reads. This is the floor of a
+    step that runs its kernels in order."""
+    runner = llm.engine.model_runner
+    spec, model = llm.engine.spec, runner.model
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Fp8Linear))]
+    seconds = 0.0
+    for m in linears:
+        w = m.weight
+        rate = FIG["matmul_rate"] * (2 if w.element_size() == 1 else 1)  # FP8 tensor cores: twice
+        seconds += max(w.numel() * w.element_size() / FIG["copy_bw"], 2 * batch * w.numel() / rate)
+    kv_item = runner.require_cache().kv.element_size()
+    kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_item
+    seconds += batch * (PROMPT_LEN + (NEW_TOKENS + 1) / 2) * kv_per_token / FIG["copy_bw"]
+    return 1e3 * seconds
+
+
 def prefill_flops(llm: LLM, num_prompts: int, prompt_len: int) -> float:
     spec = llm.engine.spec
     _, linear = weight_bytes(llm.engine.model_runner.model)
@@ -209,13 +232,15 @@ def speed(llm: LLM, hf) -> None:
             f"{res['tok_s'] / floor:.0%} of floor"
             + (f" ({res['preemptions']} preemptions)" if res["preemptions"] else ""),
         )
+        roofline = decode_roofline_ms(llm, b)
+        FIG[f"decode_{b}"]["roofline_step_ms"] = roofline
         if res["graph_step_ms"]:
             step_floor = 1e3 * b / floor
             row(
                 f"8B decode batch {b} graph replay",
                 f"{res['graph_step_ms']:.2f} ms/step",
-                f"floor {step_floor:.2f} ms",
-                f"{step_floor / res['graph_step_ms']:.0%} of floor",
+                f"floor {step_floor:.2f} ms, kernel rooflines {roofline:.2f} ms",
+                f"{step_floor / res['graph_step_ms']:.0%} of floor, {roofline / res['graph_step_ms']:.0%} of the rooflines",
             )
         if "idle_fraction" in res:
             row(
