@@ -59,13 +59,16 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
 # --- 3. speed ------------------------------------------------------------------------------
 def decode_floor(llm: LLM, batch: int) -> float:
     """tok/s if a decode step only read weights and the mean context's K/V at copy bandwidth."""
-    spec = llm.engine.spec
     read, _ = weight_bytes(llm.engine.model_runner.model)
+    return batch / ((read + kv_bytes(llm, batch)) / FIG["copy_bw"])
+
+
+def kv_bytes(llm: LLM, batch: int) -> float:
+    """The K/V bytes a decode step of ``batch`` sequences reads at the workload's mean context."""
+    spec = llm.engine.spec
     kv_item = llm.engine.model_runner.require_cache().kv.element_size()  # 1 for an FP8 cache
     kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_item
-    mean_ctx = PROMPT_LEN + (NEW_TOKENS + 1) / 2
-    step_bytes = read + batch * mean_ctx * kv_per_token
-    return batch / (step_bytes / FIG["copy_bw"])
+    return batch * (PROMPT_LEN + (NEW_TOKENS + 1) / 2) * kv_per_token
 
 
 def decode_roofline_ms(llm: LLM, batch: int) -> float:
@@ -77,17 +80,13 @@ def decode_roofline_ms(llm: LLM, batch: int) -> float:
     M = 256 on an H200 their FLOPs take longer than their bytes, and only two micro-batches
     (every weight read twice) could overlap them with attention's reads. This is the floor of a
     step that runs its kernels in order."""
-    runner = llm.engine.model_runner
-    spec, model = llm.engine.spec, runner.model
-    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Fp8Linear))]
-    seconds = 0.0
-    for m in linears:
-        w = m.weight
-        rate = FIG["matmul_rate"] * (2 if w.element_size() == 1 else 1)  # FP8 tensor cores: twice
-        seconds += max(w.numel() * w.element_size() / FIG["copy_bw"], 2 * batch * w.numel() / rate)
-    kv_item = runner.require_cache().kv.element_size()
-    kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_item
-    seconds += batch * (PROMPT_LEN + (NEW_TOKENS + 1) / 2) * kv_per_token / FIG["copy_bw"]
+    model = llm.engine.model_runner.model
+    seconds = kv_bytes(llm, batch) / FIG["copy_bw"]
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, Fp8Linear)):
+            w = m.weight
+            rate = FIG["matmul_rate"] * (2 if w.element_size() == 1 else 1)  # FP8 tensor cores: twice
+            seconds += max(w.numel() * w.element_size() / FIG["copy_bw"], 2 * batch * w.numel() / rate)
     return 1e3 * seconds
 
 
