@@ -28,6 +28,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_micro import graph_timed, log  # noqa: E402
+from benchmarks.gpu_thin_gemm import SHAPES  # noqa: E402
 from pdinfer.layers import triton_gate_up  # noqa: E402
 from pdinfer.layers.triton_gate_up import gate_up_silu, multiprocessors  # noqa: E402
 
@@ -64,7 +65,8 @@ def main() -> None:
     torch.backends.cuda.preferred_blas_library("cublaslt")
     m = 256
     x = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16)
-    for name, n, k in (("qkv", 6144, 4096), ("o", 4096, 4096), ("down", 4096, 14336), ("gate_up", 28672, 4096)):
+    shapes = {**{s: SHAPES[s] for s in ("qkv", "o", "down")}, "gate_up": (2 * SHAPES["down"][1], SHAPES["qkv"][1])}
+    for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         a = x[:, :k].contiguous()
         if name == "gate_up":
