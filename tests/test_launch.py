@@ -17,7 +17,7 @@ import pytest
 from conftest import PROMPTS, make_llm
 from servers import free_port, pdinfer_command
 
-from pdinfer import SamplingParams
+from pdinfer import SamplingParams, env
 from pdinfer.env import child_environ
 
 ENGINE = ["--kv-cache-memory", "512MiB", "--max-model-len", "1024"]
@@ -44,7 +44,8 @@ def references():
     return refs
 
 
-def start_launch(args: list[str], log_dir: Path) -> subprocess.Popen:
+def start_launch(args: list[str], log_dir: Path, api_key: str = "") -> subprocess.Popen:
+    """``api_key``: the user's key, given as ``serve`` takes it too, in PDINFER_API_KEY."""
     err = open(log_dir / "launch.err", "w")
     return subprocess.Popen(
         pdinfer_command() + ["launch", *args, "--log-dir", str(log_dir)],
@@ -52,7 +53,7 @@ def start_launch(args: list[str], log_dir: Path) -> subprocess.Popen:
         stderr=err,
         text=True,
         start_new_session=True,
-        env=child_environ({"PDINFER_LOG_LEVEL": "WARNING"}),
+        env=child_environ({"PDINFER_LOG_LEVEL": "WARNING", "PDINFER_API_KEY": api_key}),
     )
 
 
@@ -82,8 +83,8 @@ def stop(proc: subprocess.Popen) -> None:
 def cluster(references, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("launch")
     port = free_port()
-    args = ["--prefill", "1", "--decode", "1", "--port", str(port), "--api-key", API_KEY, *ENGINE]
-    proc = start_launch(args, log_dir)
+    args = ["--prefill", "1", "--decode", "1", "--port", str(port), *ENGINE]
+    proc = start_launch(args, log_dir, api_key=API_KEY)
     try:
         children = wait_ready(proc, port, log_dir)
         yield {"proc": proc, "url": f"http://127.0.0.1:{port}", "children": children, "log_dir": log_dir}
@@ -98,7 +99,7 @@ def client(cluster):
 
 def test_the_engines_answer_only_the_router(cluster, prompt_ids):
     """Every engine requires launch's own key on /v1 and /pd (only the router has it); the
-    router requires the user's --api-key; /health stays open."""
+    router requires the user's key (here from PDINFER_API_KEY); /health stays open."""
     body = {"request_id": "stranger", "prompt_token_ids": prompt_ids[0], "sampling": {"max_tokens": 4}}
     for name in ("prompt-0", "completion-0"):
         url = cluster["children"][name]["url"]
@@ -340,3 +341,25 @@ def test_launch_hands_its_engines_a_random_kv_secret_in_their_environment(tmp_pa
     mine = _children(_launch_args("--prefill", "1", "--decode", "1", "--kv-secret", "s3cret-of-mine"), tmp_path)
     assert {c.env["PDINFER_KV_SECRET"] for c in mine if c.name != "router"} == {"s3cret-of-mine"}
     assert all("s3cret-of-mine" not in " ".join(c.cmd) for c in mine)
+
+
+def test_the_routers_key_is_the_flag_else_the_environment(tmp_path, monkeypatch):
+    from pdinfer.serving.launch import _children
+
+    def router_key(*flags: str) -> str:
+        (router,) = [
+            c
+            for c in _children(_launch_args("--prefill", "1", "--decode", "1", *flags), tmp_path)
+            if c.name == "router"
+        ]
+        return router.env["PDINFER_API_KEY"]
+
+    monkeypatch.setenv("PDINFER_API_KEY", "from-the-environment")
+    env.rearm("PDINFER_API_KEY")
+    try:
+        assert router_key() == "from-the-environment"
+        assert router_key("--api-key", "from-the-flag") == "from-the-flag"
+    finally:
+        monkeypatch.delenv("PDINFER_API_KEY")
+        env.rearm("PDINFER_API_KEY")
+    assert router_key() == ""  # no key anywhere: an open router, as with serve

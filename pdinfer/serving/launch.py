@@ -15,7 +15,8 @@ in their environment (``PDINFER_KV_SECRET``), never on a command line ``ps`` sho
 nobody else can shake hands with a CE's KV port. Likewise every engine requires a random
 per-cluster API key on /v1/* and /pd/* (``PDINFER_API_KEY``), which only the router is given
 (``PDINFER_ENGINE_API_KEY``): a client reaches the engines through the router, which requires
-``--api-key`` when one is given (also handed over in the environment).
+the user's key when one is given (``--api-key``, else ``PDINFER_API_KEY`` as with ``serve``; also
+handed over in the environment).
 """
 
 from __future__ import annotations
@@ -93,7 +94,11 @@ def add_launch_parser(subparsers) -> None:
         )
     p.add_argument("--host", default="127.0.0.1", help="the router's bind address")
     p.add_argument("--port", type=int, default=8000, help="the router's port")
-    p.add_argument("--api-key", default=None, help="the router requires it on /v1/*")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the router requires it on /v1/* (default: PDINFER_API_KEY, else none; the engines get a random key of their own)",
+    )
     p.add_argument("--log-dir", default=None, help="children's logs (default: a new temp dir)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument(
@@ -193,7 +198,8 @@ def _children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
             router += ["--" + name.replace("_", "-"), getattr(args, name)]
     router += args.router_arg
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    router_env = {"PDINFER_ENGINE_API_KEY": engine_key, "PDINFER_API_KEY": args.api_key or ""}
+    client_key = args.api_key or env.get("PDINFER_API_KEY")  # the user's key, for the router alone
+    router_env = {"PDINFER_ENGINE_API_KEY": engine_key, "PDINFER_API_KEY": client_key}
     children.append(Child("router", router, f"http://{host}:{args.port}", log_dir / "router.log", env=router_env))
     return children
 
