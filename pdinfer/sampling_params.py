@@ -47,6 +47,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the model's context
+    # vLLM's: EOS and stop_token_ids are masked, and stop strings not looked for, until this
+    # many tokens are out
+    min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -105,6 +108,10 @@ class SamplingParams:
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= _INT32_MAX):
             bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or _INT32_MAX):
+            bad(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.min_tokens and self.structured_outputs is not None:  # the grammar decides the end
+            bad("min_tokens cannot be combined with structured outputs")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (

@@ -57,6 +57,34 @@ MALFORMED = [
     ("completions", {"prompt": "hi", "seed": -(2**63) - 1}, "seed"),
     ("chat/completions", {"messages": CHAT, "seed": 2**64}, "seed"),
     ("completions", {"prompt": "hi", "max_tokens": 10**20}, "max_tokens"),
+    # A field the server does not know is refused, as OpenAI refuses it: its sender meant
+    # something by it (vLLM's truncate_prompt_tokens, echo on chat).
+    ("completions", {"prompt": "hi", "foo_bar": 1}, "foo_bar"),
+    ("chat/completions", {"messages": CHAT, "echo": True}, "echo"),
+    ("chat/completions", {"messages": CHAT, "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+    ("completions", {"prompt": "hi", "tools": []}, "tools"),
+    # A value of the wrong JSON type is refused, not converted.
+    ("completions", {"prompt": [True, False]}, "prompt"),
+    ("completions", {"prompt": "hi", "n": "2"}, "n"),
+    ("completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("completions", {"prompt": "hi", "n": 0}, "n"),
+    ("chat/completions", {"messages": CHAT, "max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens"),
+    ("chat/completions", {"messages": CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("chat/completions", {"messages": [*CHAT, {"role": "tool", "content": "42"}]}, "messages"),
+    ("completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ("completions", {"prompt": "hi", "min_tokens": 2, "structured_outputs": {"choice": ["a"]}}, "min_tokens"),
+    # What the engine itself refuses names the field as the request spelled it.
+    ("completions", {"prompt": "hi", "logit_bias": {"60000": 1}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "structured_outputs": {"regex": "(abc"}}, "structured_outputs"),
+    ("chat/completions", {"messages": CHAT, "guided_regex": "(abc"}, "guided_regex"),
+    (
+        "chat/completions",
+        {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+        "response_format",
+    ),
+    ("completions", {"prompt": "hi", "guided_choice": ["a"], "guided_regex": "b"}, "guided_regex"),
 ]
 
 
@@ -90,6 +118,7 @@ def check_malformed_inputs(url: str, model: str, max_model_len: int | None, head
     resp = httpx.get(f"{url}/v1/completions", headers=headers, timeout=60)
     assert assert_openai_error(resp, 405)["code"] == "method_not_allowed" and resp.headers["allow"] == "POST"
     assert_openai_error(httpx.delete(f"{url}/health", timeout=60), 405)
+    assert httpx.head(f"{url}/health", timeout=60).status_code == 200  # load balancers' probe
     overflows = context_overflows(max_model_len) if max_model_len else []
     for path, body, param in MALFORMED + overflows:
         resp = post_json(f"{url}/v1/{path}", {"model": model, **body}, headers)

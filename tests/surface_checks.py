@@ -1,9 +1,13 @@
 """OpenAI-surface checks run the same against `serve` (test_api_server.py) and through the P/D
-router (test_router.py): vLLM's ``return_token_ids`` with the prompt's ids, and
-``stream_options.continuous_usage_stats``. The reference for prompt ids is the tokenizer in this
-process (and the chat template, for chat)."""
+router (test_router.py): vLLM's ``return_token_ids`` with the prompt's ids,
+``stream_options.continuous_usage_stats``, vLLM's ``min_tokens`` and ``guided_*`` names, and the
+bytes and offsets of log-probs for tokens that hold part of a character. The reference for
+prompt ids is the tokenizer in this process (and the chat template, for chat)."""
 
 from __future__ import annotations
+
+import json
+import re
 
 import openai
 from conftest import CHAT, MODEL
@@ -70,3 +74,78 @@ def check_continuous_usage(client: openai.OpenAI) -> None:
     chunks = list(without)
     assert chunks[-1].usage.completion_tokens == 2 and not chunks[-1].choices  # the usage chunk
     assert all(c.usage is None for c in chunks[:-1])  # and only it
+
+
+def check_min_tokens(client: openai.OpenAI) -> None:
+    """EOS waits until ``min_tokens`` tokens are out: the answer equals the same request with
+    EOS biased away (``logit_bias``, itself checked against LLM); stop strings wait too."""
+    messages = [{"role": "user", "content": "Is 2+2=4? Answer only yes or no."}]
+    extra = {"return_token_ids": True}
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0, extra_body=extra
+    )
+    ids = plain.choices[0].model_extra["token_ids"]
+    assert plain.choices[0].finish_reason == "stop" and len(ids) < 10, ids  # it ends early by itself
+    held = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, extra_body={**extra, "min_tokens": 10}
+    )
+    biased = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, logit_bias={str(ids[-1]): -100}, extra_body=extra
+    )
+    assert held.usage.completion_tokens == 10
+    assert held.choices[0].model_extra["token_ids"] == biased.choices[0].model_extra["token_ids"]
+    assert held.choices[0].message.content == biased.choices[0].message.content
+    first = plain.choices[0].message.content[:2]  # a stop string the answer begins with
+    cut = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, stop=[first])
+    assert cut.choices[0].message.content == ""
+    late = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stop=[first], extra_body={"min_tokens": 3}
+    )
+    assert late.choices[0].message.content.startswith(first) and late.usage.completion_tokens >= 3
+
+
+def check_guided_names(client: openai.OpenAI) -> None:
+    """vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``
+    constrain the answer as ``structured_outputs`` does: the same greedy text, which matches."""
+    messages = [{"role": "user", "content": "Is the sky blue? Give an answer."}]
+    schema = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]}
+    cases = [
+        ("choice", ["yes", "no"], lambda text: text in ("yes", "no")),
+        ("regex", "[0-9]{3}", lambda text: re.fullmatch("[0-9]{3}", text) is not None),
+        ("json", schema, lambda text: isinstance(json.loads(text)["answer"], bool)),
+        ("grammar", 'root ::= "sure" | "never"', lambda text: text in ("sure", "never")),
+    ]
+    for kind, value, matches in cases:
+        texts = [
+            client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=40, temperature=0, extra_body=body
+            )
+            .choices[0]
+            .message.content
+            for body in ({f"guided_{kind}": value}, {"structured_outputs": {kind: value}})
+        ]
+        assert texts[0] == texts[1] and matches(texts[0]), (kind, texts)
+
+
+def check_partial_character_logprobs(client: openai.OpenAI) -> None:
+    """Tokens that hold part of a character (an emoji is several byte tokens): chat log-probs
+    give each token's own bytes, which join into the answer's UTF-8; completion offsets never
+    go back and point into the text at the character each token begins or continues."""
+    messages = [{"role": "user", "content": "Reply with only the emoji 👍"}]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = out.choices[0].logprobs.content
+    assert any(not c.token or c.token.startswith("bytes:") for c in content)  # the case under test
+    joined = b"".join(bytes(c.bytes) for c in content)
+    assert joined.decode("utf-8") == out.choices[0].message.content
+    for c in content:
+        assert c.token.startswith("bytes:") or bytes(c.bytes) == c.token.encode()
+    prompt = "Emojis: 💎💉👍 and 中文"
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=0, echo=True)
+    text, lp = done.choices[0].text, done.choices[0].logprobs
+    assert text.startswith(prompt) and len(lp.text_offset) == len(lp.tokens)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        if not token.startswith("bytes:"):
+            assert text[offset:].startswith(token), (token, offset, text)

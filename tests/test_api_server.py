@@ -127,6 +127,12 @@ def test_prompt_token_ids_and_continuous_usage(client, tokenizer):
     surface_checks.check_continuous_usage(client)
 
 
+def test_min_tokens_guided_names_and_partial_character_logprobs(client):
+    surface_checks.check_min_tokens(client)
+    surface_checks.check_guided_names(client)
+    surface_checks.check_partial_character_logprobs(client)
+
+
 def test_chat_stream_joins_to_the_non_stream_text(client, greedy_texts):
     full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
     assert full.choices[0].message.role == "assistant"

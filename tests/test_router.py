@@ -116,7 +116,8 @@ def test_prefill_balancer_skips_unhealthy_and_returns_none_without_engines():
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
     ces = [Server(["serve", "--role", "completion", *ENGINE], tmp / f"ce{i}.log") for i in range(2)]
-    pe = Server(["serve", "--role", "prompt", *ENGINE, "--kv-lease-s", "5"], tmp / "pe.log")
+    # A short waiting queue on the PE: a burst of prompts meets its back-pressure.
+    pe = Server(["serve", "--role", "prompt", *ENGINE, "--kv-lease-s", "5", "--max-waiting", "8"], tmp / "pe.log")
     engines = [pe, *ces]
     router = Server(
         ["router", "--prefill", pe.url, "--decode", ces[0].url, ces[1].url, "--health-interval-s", "0.5"],
@@ -296,6 +297,29 @@ def test_prompt_token_ids_and_continuous_usage_through_pe_and_ce(cluster, tokeni
     client = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0, timeout=300)
     surface_checks.check_prompt_token_ids(client, tokenizer)
     surface_checks.check_continuous_usage(client)
+
+
+def test_min_tokens_guided_names_and_partial_character_logprobs_through_pe_and_ce(cluster):
+    client = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0, timeout=300)
+    surface_checks.check_min_tokens(client)
+    surface_checks.check_guided_names(client)
+    surface_checks.check_partial_character_logprobs(client)
+
+
+def test_a_batch_larger_than_the_pes_queue_is_served_whole(cluster, normal_llm):
+    """40 prompts in one request, against a PE that queues 8 (``--max-waiting``): a full PE is
+    back-pressure, so every prompt is answered (a 503 "no prefill engine" before), with
+    NORMAL's greedy text, and every engine gets its blocks back."""
+    from pdinfer import SamplingParams
+
+    prompts = [f"Count from {i} to {i + 3}:" for i in range(40)]
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    want = [o.outputs[0].text for o in normal_llm.generate(prompts, params, use_tqdm=False)]
+    client = openai.OpenAI(base_url=f"{cluster['router'].url}/v1", api_key="unused", max_retries=0, timeout=300)
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, temperature=0)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == want
+    for server in (cluster["pe"], *cluster["ces"]):
+        assert server.wait_blocks_back()["free_blocks"] == server.kv()["total_blocks"]
 
 
 def test_prompt_logprobs_and_echo_through_pe_and_ce(cluster, normal_llm):

@@ -168,7 +168,7 @@ class OutputTracker:
             if choice.logprobs is not None and seq.logprobs is not None and i < len(seq.logprobs):
                 choice.logprobs.append(seq.logprobs[i])
             choice.text += piece
-            if stops and piece:
+            if stops and piece and len(choice.token_ids) > params.min_tokens:
                 found = find_stop(choice.text, len(piece), stops)
                 if found is not None:
                     index, stop = found

@@ -125,6 +125,16 @@ class StepBuilder:
         self.last_sample.pop(seq.seq_id, None)
 
 
+def _min_tokens_bias(seq: Sequence, position: int) -> dict[int, float] | None:
+    """``logit_bias`` with EOS and the stop tokens masked while fewer than ``min_tokens`` outputs
+    precede the one sampled at ``position``."""
+    p = seq.sampling_params
+    if position - seq.num_prompt_tokens >= p.min_tokens:
+        return p.logit_bias
+    masked = dict.fromkeys((*seq.eos_token_ids, *(p.stop_token_ids or ())), float("-inf"))
+    return {**(p.logit_bias or {}), **masked}
+
+
 def _sample_spec(seq: Sequence, row: int, position: int, seed: int, pending: bool, defer_mask: bool) -> SampleSpec:
     p = seq.sampling_params
     spec = SampleSpec(
@@ -139,7 +149,7 @@ def _sample_spec(seq: Sequence, row: int, position: int, seed: int, pending: boo
         frequency=p.frequency_penalty,
         repetition=p.repetition_penalty,
         logprobs=p.logprobs,
-        logit_bias=p.logit_bias,
+        logit_bias=_min_tokens_bias(seq, position) if p.min_tokens else p.logit_bias,
         allowed=seq.grammar.next_mask() if seq.grammar is not None and not defer_mask else None,
         masked_later=seq.grammar is not None and defer_mask,
     )

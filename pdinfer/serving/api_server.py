@@ -101,7 +101,7 @@ class OpenAIServer:
             )
 
     # --- running requests ------------------------------------------------------------------------
-    async def _start(self, prefix: str, prompts: list[dict], params, param: str, show_ids: bool) -> _Generation:
+    async def _start(self, prefix: str, prompts: list[dict], params, body, show_ids: bool) -> _Generation:
         arrival_s = time.monotonic()
         base = f"{prefix}-{uuid.uuid4().hex}"
         gen = _Generation(params.n)
@@ -115,7 +115,8 @@ class OpenAIServer:
         except BaseException as exc:
             gen.close()
             if isinstance(exc, ValueError):
-                raise bad_request(str(exc), param=param) from None
+                where = "messages" if isinstance(body, protocol.ChatCompletionRequest) else "prompt"
+                raise bad_request(str(exc), param=body.param_of(str(exc), where)) from None
             if isinstance(exc, EngineOverloadedError):
                 raise APIError(503, str(exc), type="server_overloaded", code="overloaded") from None
             if isinstance(exc, EngineDeadError):
@@ -183,7 +184,7 @@ class OpenAIServer:
         prompts = [await self.prompts.completion_async(p, "prompt") for p in body.prompts()]
         self.prompts.check_room(prompts, params.max_tokens)
         show_ids = body.return_token_ids or params.logprobs is not None
-        gen = await self._start("cmpl", prompts, params, "prompt", show_ids)
+        gen = await self._start("cmpl", prompts, params, body, show_ids)
         return await self._respond(gen, body, request, prompts, params.logprobs, chat=False)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -192,7 +193,7 @@ class OpenAIServer:
         prompt = await self.prompts.chat_async(body)
         self.prompts.check_room([prompt], params.max_tokens)
         show_ids = body.return_token_ids or params.logprobs is not None
-        gen = await self._start("chatcmpl", [prompt], params, "messages", show_ids)
+        gen = await self._start("chatcmpl", [prompt], params, body, show_ids)
         return await self._respond(gen, body, request, [prompt], params.logprobs, chat=True)
 
     async def _respond(
@@ -280,7 +281,7 @@ def build_app(
     app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"], dependencies=auth)
     app.add_api_route("/version", protocol.version, methods=["GET"])
-    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["GET", "HEAD"])
     watch = auth if protect_metrics else None
     app.add_api_route("/metrics", server.render_metrics, methods=["GET"], dependencies=watch)
     app.add_api_route("/debug/kv", server.debug_kv, methods=["GET"], dependencies=watch)

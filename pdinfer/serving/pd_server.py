@@ -25,7 +25,7 @@ from pdinfer.serving.pd_protocol import (
     reservation_to_dict,
     sampling_from_dict,
 )
-from pdinfer.serving.protocol import APIError, bad_request
+from pdinfer.serving.protocol import APIError, bad_request, param_named
 
 
 class PDEndpoints:
@@ -39,7 +39,7 @@ class PDEndpoints:
             prompt = {"prompt_token_ids": list(body.prompt_token_ids)}
             return await self.engine.add_request(body.request_id, prompt, params, show_token_ids=True, **extra)
         except (ValueError, TypeError) as exc:
-            raise bad_request(str(exc)) from None
+            raise bad_request(str(exc), param=param_named(str(exc))) from None
         except (NoRoomError, EngineOverloadedError) as exc:
             raise APIError(503, str(exc), type="server_overloaded", code="no_room") from None
         except HandshakeError as exc:

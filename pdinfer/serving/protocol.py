@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -16,6 +16,23 @@ from pdinfer.serving.errors import APIError, bad_request
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+# A body is read as OpenAI reads it: a field it does not know is refused, not ignored (its sender
+# meant something by it), and a value of the wrong JSON type is refused, not converted
+# (``"n": "2"``, ``true`` as a token id).
+_STRICT = ConfigDict(extra="forbid", strict=True)
+# Fields other servers take that pdinfer does not: the 400 says so plainly.
+_NOT_SUPPORTED = {
+    "truncate_prompt_tokens": "send a prompt that fits the context",
+    "echo": "echo is only available on /v1/completions",
+    "best_of": "best_of is only available on /v1/completions",
+    "suffix": "suffix is only available on /v1/completions",
+    "chat_template_kwargs": "the model's own chat template is applied as it is",
+    "audio": "this server produces text only",
+    "modalities": "this server produces text only",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this model does not reason before answering",
+    "web_search_options": "this server has no web search",
+}
 
 
 def validation_error(errors) -> APIError:
@@ -27,6 +44,10 @@ def validation_error(errors) -> APIError:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         if not loc and err.get("type") == "missing":
             return bad_request("the request has no body: send a JSON object")
+        if err.get("type") == "extra_forbidden" and len(loc) == 1:  # OpenAI's answer too
+            hint = _NOT_SUPPORTED.get(loc[0])
+            message = f"unrecognized request argument: {loc[0]}" + (f" ({hint})" if hint else "")
+            return bad_request(message, param=loc[0], code="unknown_parameter")
         by_field.setdefault(loc[0] if loc else "", []).append({**err, "loc": loc})
     problems = []
     for name, errs in by_field.items():
@@ -74,6 +95,7 @@ def _is_unicode(text: str) -> bool:
 
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False  # extra (vLLM): with include_usage, usage in every chunk
 
@@ -81,7 +103,7 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """The fields /v1/completions and /v1/chat/completions share. ``None`` means the default."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -93,6 +115,7 @@ class _GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extra
     seed: int | None = None
+    min_tokens: int | None = None  # extra (vLLM's)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extra
@@ -113,7 +136,16 @@ class _GenerationRequest(BaseModel):
     functions: list[Any] | None = None  # OpenAI's deprecated form of tools: refused
     function_call: Any = None
     use_beam_search: bool = False  # extra (vLLM)
-    user: str | None = None  # accepted without effect
+    # vLLM's older names for structured_outputs' json, regex, choice and grammar
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Accepted without effect on the output: who asks (user, metadata), OpenAI's storage and tier.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -138,10 +170,18 @@ class _GenerationRequest(BaseModel):
         if self.use_beam_search:
             raise bad_request("beam search is not supported", param="use_beam_search", code="not_supported")
         fmt = self.response_format
+        spec, given = self.structured_outputs, ["structured_outputs"] if self.structured_outputs is not None else []
+        for kind in _GUIDED:
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                spec = {kind: value}
+                given.append(f"guided_{kind}")
+        if fmt is not None and fmt.get("type") != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise bad_request(f"give one of {', '.join(given)}: they are all output constraints", param=given[0])
         if fmt is None or fmt.get("type") == "text":
-            return self.structured_outputs
-        if self.structured_outputs is not None:
-            raise bad_request("give response_format or structured_outputs, not both", param="response_format")
+            return spec
         if fmt.get("type") == "json_object":
             return {"json_object": True}
         if fmt.get("type") == "json_schema":
@@ -166,8 +206,8 @@ class _GenerationRequest(BaseModel):
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
-        if self.n > MAX_N:
-            raise bad_request(f"n must be at most {MAX_N}, got {self.n}", param="n")
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         if self.prompt_logprobs is not None and self.stream:  # vLLM's rule: a chunk has no place for them
             raise bad_request("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
@@ -191,6 +231,7 @@ class _GenerationRequest(BaseModel):
             "top_p",
             "top_k",
             "min_p",
+            "min_tokens",
             "presence_penalty",
             "frequency_penalty",
             "repetition_penalty",
@@ -200,12 +241,30 @@ class _GenerationRequest(BaseModel):
         try:
             return SamplingParams(**values)
         except ValueError as exc:
-            message = str(exc)
-            param = message.split(" ", 1)[0]
-            raise bad_request(message, param=param if param in _PARAM_NAMES else None) from None
+            raise bad_request(str(exc), param=self.param_of(str(exc))) from None
+
+    def param_of(self, message: str, default: str | None = None) -> str | None:
+        """The field of this request that a sampling or engine error names, as the request
+        spelled it (``structured_outputs`` may have come as response_format or guided_json)."""
+        param = param_named(message)
+        if param == "structured_outputs" and self.structured_outputs is None:
+            given = [f"guided_{k}" for k in _GUIDED if getattr(self, f"guided_{k}") is not None]
+            param = given[0] if given else "response_format"
+            if param == "response_format" and self.response_format is None:
+                param = "tool_choice"  # a forced tool call: its parameters' schema constrains the output
+        return param or default
+
+
+def param_named(message: str) -> str | None:
+    """The sampling parameter an error message is about: its first word (``logit_bias keys must
+    ...``), or its second after "invalid" (``invalid structured_outputs.regex: ...``)."""
+    words = message.split(" ", 2)
+    first = words[1 if words[0] == "invalid" and len(words) > 1 else 0].split(".", 1)[0]
+    return first if first in _PARAM_NAMES else None
 
 
 _PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
+_GUIDED = ("json", "regex", "choice", "grammar")
 
 
 class CompletionRequest(_GenerationRequest):
@@ -218,7 +277,7 @@ class CompletionRequest(_GenerationRequest):
     best_of: int | None = None
 
     def sampling_params(self) -> SamplingParams:
-        if self.tools or self.tool_choice is not None:
+        if self.tools is not None or self.tool_choice is not None:
             raise bad_request("tools are only available on /v1/chat/completions", param="tools")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", param="best_of", code="not_supported")
@@ -252,14 +311,17 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
+    # Extra fields are allowed: clients send an assistant message back as they got it
+    # (``refusal``, ``annotations``, ``audio`` null ...).
+    model_config = ConfigDict(extra="allow", strict=True)
+    # developer: OpenAI's newer name for system, given to the template as system
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
@@ -274,7 +336,8 @@ class ChatMessage(BaseModel):
             if any(part.type != "text" for part in content):
                 raise bad_request("only text content parts are supported", param="messages")
             content = "".join(part.text or "" for part in content)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name:
             message["name"] = self.name
         if self.tool_call_id is not None:
@@ -354,9 +417,18 @@ class ChatCompletionRequest(_GenerationRequest):
                 raise bad_request(
                     f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
                 )
+        for i, message in enumerate(self.messages):
+            if message.role == "tool" and not message.tool_call_id:
+                raise bad_request(f"messages[{i}]: a tool message needs the tool_call_id it answers", param="messages")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens or self.max_tokens  # None: up to the context
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins; None: up to the context
+            if self.max_completion_tokens < 1:
+                raise bad_request(
+                    f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",
+                    param="max_completion_tokens",
+                )
+            return self._sampling_params(self.max_completion_tokens, logprobs, self.prompt_logprobs)
+        return self._sampling_params(self.max_tokens, logprobs, self.prompt_logprobs)
 
 
 # --- responses (plain dicts: cheaper than models on the streaming path) -----------------------------
@@ -405,21 +477,25 @@ def completion_logprobs(
     tokenizer, token_ids: list[int], entries: list[dict[int, float]], k: int, text_offset: int
 ) -> dict[str, Any]:
     """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+    tokens, token_logprobs, tops, raws = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
-        text = tokenizer.decode([token_id])
+        text, raw = token_piece(tokenizer, token_id)
         tokens.append(text)
+        raws.append(raw)
         token_logprobs.append(entry.get(token_id))
-        tops.append({tokenizer.decode([t]): lp for t, lp in top_entries(entry, k)})
-        offsets.append(text_offset)
-        text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+        tops.append({token_piece(tokenizer, t)[0]: lp for t, lp in top_entries(entry, k)})
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": text_offsets(raws, text_offset),
+    }
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]], k: int) -> dict[str, Any]:
     def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        text, raw = token_piece(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     content = []
     for token_id, entry in zip(token_ids, entries):
@@ -427,3 +503,68 @@ def chat_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float
         one["top_logprobs"] = [item(t, lp) for t, lp in top_entries(entry, k)] if k else []
         content.append(one)
     return {"content": content}
+
+
+def token_piece(tokenizer, token_id: int) -> tuple[str, bytes]:
+    """A token as log-probs show it: (its text, its bytes). A token that holds part of a
+    character (an emoji over two tokens) has bytes that are no text alone; it shows them as
+    OpenAI does, ``bytes:\\xf0\\x9f``, and its ``bytes`` are the real ones, so that a client
+    joining them gets the answer's UTF-8."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return text, text.encode()
+    raw = _raw_bytes(tokenizer.convert_ids_to_tokens(token_id))
+    if raw is None:
+        return text, text.encode()
+    try:
+        return raw.decode("utf-8"), raw
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def _raw_bytes(piece: Any) -> bytes | None:
+    """The bytes behind a vocabulary entry: a byte-fallback token (``<0xF0>``) or a byte-level
+    BPE one (GPT-2's alphabet, one character a byte); None for anything else."""
+    if not isinstance(piece, str) or not piece:
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    try:
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    except KeyError:
+        return None
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = {b: chr(b) for b in printable}
+    shifted = (b for b in range(256) if b not in chars)
+    chars.update((b, chr(256 + i)) for i, b in enumerate(shifted))
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def text_offsets(pieces: list[bytes], start: int) -> list[int]:
+    """Where each token begins in the text, in characters: the character its first byte is
+    part of (a token that continues a character gets that character's offset). ``pieces`` may
+    begin inside a character whose first bytes an earlier stream chunk held; the text this
+    chunk shows begins with that character."""
+    offsets, begun, at = [], 0, 0
+    for raw in pieces:
+        inside = bool(raw) and _continues(raw[0]) and begun > 0
+        offsets.append(start + begun - inside)
+        for byte in raw:
+            if not _continues(byte) or at == 0:
+                begun += 1  # a character begins here (or, at the very start, began earlier)
+            at += 1
+    return offsets
+
+
+def _continues(byte: int) -> bool:
+    return 0x80 <= byte < 0xC0

@@ -127,6 +127,11 @@ class _Prompt:
         return self.job.prompt_logprobs
 
 
+# The prompts of one request that the router drives at once (a PE answers 503 once
+# ``serve --max-waiting`` requests, 1024 by default, wait in its queue).
+MAX_PROMPTS_IN_FLIGHT = 128
+
+
 @dataclass
 class _Generation:
     """The P/D jobs behind one HTTP request (one per prompt), feeding one queue."""
@@ -267,18 +272,32 @@ class Router:
             return sse_response(
                 chunks, fmt, gen.usage, body.include_usage, self._count_error, gen.cancel, body.continuous_usage
             )
-        await run_unless_disconnected(request, self._drain(gen))
+        try:
+            await run_unless_disconnected(request, self._drain(gen))
+        except APIError as exc:  # an engine's 400 names the field as the engine knows it
+            if exc.status_code == 400:
+                exc.param = body.param_of(exc.message, exc.param)
+            raise
         return fmt.body(gen.finals(), gen.usage())
 
     def _start(self, prefix: str, prompts: list[dict], params, whole: bool) -> _Generation:
         num_tokens = [len(p["prompt_token_ids"]) for p in prompts]
         gen = _Generation(f"{prefix}-{uuid.uuid4().hex}", params.n, num_tokens, whole)
         sampling = sampling_to_dict(params)
+        # A batch of many prompts runs at most MAX_PROMPTS_IN_FLIGHT at a time: all at once, it
+        # would fill a PE's waiting queue by itself and be refused as overload.
+        gate = asyncio.Semaphore(MAX_PROMPTS_IN_FLIGHT) if len(prompts) > MAX_PROMPTS_IN_FLIGHT else None
         for i, prompt in enumerate(prompts):
             job = PDJob(i, f"{gen.request_id}-{i}", list(prompt["prompt_token_ids"]), sampling, gen.queue)
             gen.prompts.append(_Prompt(job, prompt.get("prompt")))
-            gen.tasks.append(asyncio.ensure_future(self.driver.drive(job)))
+            gen.tasks.append(asyncio.ensure_future(self._drive(job, gate)))
         return gen
+
+    async def _drive(self, job: PDJob, gate: asyncio.Semaphore | None) -> None:
+        if gate is None:
+            return await self.driver.drive(job)
+        async with gate:
+            await self.driver.drive(job)
 
     async def _deltas(self, gen: _Generation) -> AsyncIterator[Delta]:
         """The CEs' deltas, renumbered into the request's choices (prompt-major)."""
@@ -449,7 +468,7 @@ def build_router_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     app.add_api_route("/v1/models", router.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/models/{model_id:path}", router.model, methods=["GET"], dependencies=auth)
     app.add_api_route("/version", protocol.version, methods=["GET"])
-    app.add_api_route("/health", router.health, methods=["GET"])
+    app.add_api_route("/health", router.health, methods=["GET", "HEAD"])
     watch = auth if router.config.protect_metrics else None
     app.add_api_route("/metrics", router.render_metrics, methods=["GET"], dependencies=watch)
     app.add_api_route("/debug/engines", router.debug_engines, methods=["GET"], dependencies=watch)

@@ -2,7 +2,8 @@
 
 An attempt: reserve on the CE the decode balancer ranks first (503 no room: the next one; all
 full: wait and try again, up to ``queue_timeout_s``), pick a PE, POST the prefill while reading
-the CE's stream, relay the CE's deltas. Until a token went to the client, a failure of either
+the CE's stream, relay the CE's deltas. A PE whose waiting queue is full (503 no room) is
+back-pressure too: a new attempt after a pause, not counted, within the same ``queue_timeout_s``. Until a token went to the client, a failure of either
 engine (connection refused or broken, 5xx, a CE stream that ends early, a request the CE
 finished with an error) makes a new attempt elsewhere: the failed CE stream and the PE's
 connection are closed, which makes the CE abort the reservation and the PE its prefill (so
@@ -69,13 +70,14 @@ class PDJob:
             self.streamed = True
 
 
-def _error(resp: upstream.UpstreamResponse, body: bytes) -> tuple[str, str | None]:
-    """(message, code) of an engine's OpenAI-shaped error answer."""
+def _error(resp: upstream.UpstreamResponse, body: bytes) -> tuple[str, str | None, str | None]:
+    """(message, code, param) of an engine's OpenAI-shaped error answer."""
     try:
         error = json.loads(body)["error"]
-        return str(error["message"]), error.get("code")
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {resp.status_code}: {body[:200]!r}", None
+        param = error.get("param")
+        return str(error["message"]), error.get("code"), param if isinstance(param, str) else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"HTTP {resp.status_code}: {body[:200]!r}", None, None
 
 
 class PDDriver:
@@ -116,18 +118,24 @@ class PDDriver:
         """Run ``job`` to its end; every outcome, failures included, lands on its queue."""
         try:
             excluded: set[str] = set()
-            for job.attempt in range(1, self.max_attempts + 1):
+            failures, job.attempt = 0, 0
+            full_until = time.monotonic() + self.queue_timeout_s
+            while failures < self.max_attempts:
+                job.attempt += 1
                 try:
                     await self._attempt(job, excluded)
                     self._observe_finished(job)
                     job.queue.put_nowait((job.index, "done", None))
                     return
                 except Retry as exc:
-                    last = exc
+                    if exc.reason == "prefill_full" and time.monotonic() < full_until:
+                        await asyncio.sleep(_NO_ROOM_BACKOFF_S)  # back-pressure, as a full CE's
+                        continue
+                    last, failures = exc, failures + 1
                     if exc.exclude:
                         excluded.add(exc.exclude)
                     logger.warning("router: attempt %d of %s failed (%s)", job.attempt, job.request_id, exc)
-                    if job.attempt < self.max_attempts:
+                    if failures < self.max_attempts:
                         self.metrics.retries.labels(reason=exc.reason).inc()
             raise APIError(
                 503,
@@ -228,13 +236,13 @@ class PDDriver:
     async def _read_reservation(self, ce: Engine, response: upstream.UpstreamResponse, excluded: set[str]):
         if response.status_code != 200:
             try:
-                error, code = _error(response, await response.read())
+                error, code, param = _error(response, await response.read())
             except upstream.UpstreamError as exc:
-                error, code = str(exc), None
+                error, code, param = str(exc), None, None
             if response.status_code == 503 and code == "no_room":
                 return None  # back-pressure: the next CE, or wait
             if 400 <= response.status_code < 500:
-                raise APIError(response.status_code, error)
+                raise APIError(response.status_code, error, param=param, code=code)
             excluded.add(ce.url)
             return None
         lines = upstream.sse_data(response)
@@ -286,11 +294,16 @@ class PDDriver:
             except ValueError as exc:  # a PE of another version
                 events.put_nowait(("prefill_failed", Retry("handoff_failed", f"prefill on {pe.url}: {exc}", pe.url)))
             return
-        error, _ = _error(resp, content)
+        error, code, _ = _error(resp, content)
         # The CE accepted this request, so a 4xx here is the PE's disagreement (another
-        # version, another model), and a 503 an overloaded or dying PE: try another PE.
-        # 502/504: the hand-off failed (a CE that went away is ejected by its own stream or
-        # the health checks), so any pair may try again.
+        # version, another model), and a 503 a dying PE: try another PE. A full PE (503
+        # no_room: its waiting queue is at --max-waiting) is back-pressure: ``drive`` tries
+        # again after a pause, within --queue-timeout-s, without counting an attempt. 502/504:
+        # the hand-off failed (a CE that went away is ejected by its own stream or the health
+        # checks), so any pair may try again.
+        if resp.status_code == 503 and code == "no_room":
+            events.put_nowait(("prefill_failed", Retry("prefill_full", f"prefill on {pe.url}: {error}")))
+            return
         exclude = pe.url if resp.status_code < 500 or resp.status_code == 503 else None
         events.put_nowait(("prefill_failed", Retry("handoff_failed", f"prefill on {pe.url}: {error}", exclude)))
 
