@@ -124,3 +124,7 @@ def check_malformed_inputs(url: str, model: str, max_model_len: int | None, head
         resp = post_json(f"{url}/v1/{path}", {"model": model, **body}, headers)
         error = assert_openai_error(resp, 400)
         assert error["param"] == param and error["type"] == "invalid_request_error", (body, error)
+    # A prompt of no accepted shape gets one sentence naming the shapes, not one per union member.
+    resp = post_json(f"{url}/v1/completions", {"model": model, "prompt": [[1, "a"]]}, headers)
+    message = assert_openai_error(resp, 400)["message"]
+    assert "a list of token ids" in message and "Input should be" not in message, message

@@ -51,6 +51,9 @@ def validation_error(errors) -> APIError:
         by_field.setdefault(loc[0] if loc else "", []).append({**err, "loc": loc})
     problems = []
     for name, errs in by_field.items():
+        if name == "prompt" and len(errs) > 1:  # no member of its union fits, at any depth
+            problems.append(f"prompt: {_PROMPT_SHAPES}")
+            continue
         if len(errs) > 1 and all(len(e["loc"]) == 2 for e in errs):  # no member of a union fits
             allowed = ", ".join(e["loc"][1] for e in errs)
             got = type(errs[0].get("input")).__name__
@@ -63,6 +66,7 @@ def validation_error(errors) -> APIError:
     return bad_request("; ".join(problems) or "invalid request", param=param)
 
 
+_PROMPT_SHAPES = "expected a string, a list of token ids (integers), a list of strings, or a list of lists of token ids"
 _SCALARS = frozenset({int, float, bool, type(None)})
 
 
