@@ -7,6 +7,9 @@ once per peer."""
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import struct
 import time
 import uuid
 
@@ -17,11 +20,13 @@ import zmq
 from pdinfer import EngineArgs, SamplingParams
 from pdinfer.engine.completion_engine import CompletionEngine
 from pdinfer.kv_transfer.protocol import (
+    CONNECT_USER,
     CONTROL_FRAME_BYTES,
     Hello,
     KVAbort,
     KVPush,
     checksum,
+    connect_key,
     decode,
     encode,
 )
@@ -53,11 +58,15 @@ def secret_ce():
 
 
 class Stranger:
-    """A raw ZeroMQ peer of the KV port: sends whatever it likes, reads what comes back."""
+    """A raw ZeroMQ peer of the KV port: sends whatever it likes, reads what comes back.
+    ``key``: the connect key a CE with a secret requires (else no message of ours arrives)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, key: bytes | None = None):
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if key is not None:
+            self.sock.setsockopt(zmq.PLAIN_USERNAME, CONNECT_USER)
+            self.sock.setsockopt(zmq.PLAIN_PASSWORD, key)
         self.sock.connect(address)
 
     def send(self, *frames: bytes) -> None:
@@ -214,7 +223,8 @@ def test_an_abort_counts_only_from_the_connection_that_owns_the_transfer(ce):
 def test_a_replayed_hello_is_refused(secret_ce):
     message = hello(secret_ce.role.connector.layout)
     frame = encode(message, SECRET.encode())
-    first, replay = Stranger(secret_ce.role.kv_address), Stranger(secret_ce.role.kv_address)
+    key = connect_key(SECRET.encode())  # the messages are what is checked here
+    first, replay = Stranger(secret_ce.role.kv_address, key), Stranger(secret_ce.role.kv_address, key)
     try:
         first.send(frame)
         ack = decode(first.recv()[0], SECRET.encode())
@@ -229,7 +239,8 @@ def test_a_replayed_hello_is_refused(secret_ce):
 
 def test_refused_messages_are_logged_once_per_peer(secret_ce, warnings_of_pdinfer):
     layout = secret_ce.role.connector.layout
-    peers = [Stranger(secret_ce.role.kv_address) for _ in range(2)]  # two connections of one host
+    key = connect_key(SECRET.encode())  # past the connection's check: the messages' is tested
+    peers = [Stranger(secret_ce.role.kv_address, key) for _ in range(2)]  # two connections of one host
     try:
         for peer in peers:
             for _ in range(3):
@@ -245,3 +256,65 @@ def test_refused_messages_are_logged_once_per_peer(secret_ce, warnings_of_pdinfe
     warnings = warnings_of_pdinfer()
     assert sum("not signed" in w for w in warnings) == 1, warnings
     assert sum("layout mismatch" in w for w in warnings) == 1, warnings
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _zmtp_null_peer(address: str) -> socket.socket:
+    """A raw TCP peer that speaks ZMTP 3.0 with the NULL mechanism (no key): its greeting and
+    READY, as the audit's stranger sent them."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"\xff" + b"\x00" * 7 + b"\x01\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32)
+    props = bytes([11]) + b"Socket-Type" + struct.pack(">I", 6) + b"DEALER"
+    ready = b"\x05READY" + props
+    sock.sendall(bytes([0x04, len(ready)]) + ready)
+    return sock
+
+
+def test_a_peer_without_the_key_is_dropped_before_any_message(secret_ce, warnings_of_pdinfer):
+    """Only a peer with the cluster's connect key gets past ZeroMQ's handshake. Before, any peer
+    could announce one frame of up to the largest legal push and make the CE hold it all before
+    its signature was checked: a few connections could fill the host's memory. Now a keyless
+    peer's frame is never read: four peers each send all but the last MiB of the largest frame
+    the port takes and hold it there, and the process does not grow by what they sent; a
+    signed message from a peer without the key gets no answer, and the refusal is logged; a
+    peer with the key is served."""
+    address = secret_ce.role.kv_address
+    limit = secret_ce.role.connector.max_message_bytes
+    chunk = b"z" * (1 << 20)
+    before, peers, sent = _rss_bytes(), [], 0
+    try:
+        for _ in range(4):
+            sock = _zmtp_null_peer(address)
+            peers.append(sock)
+            try:
+                sock.sendall(bytes([0x02]) + struct.pack(">Q", limit - (64 << 10)))
+                for _ in range(limit // len(chunk) - 1):
+                    sock.sendall(chunk)
+                    sent += len(chunk)
+            except OSError:
+                pass  # the CE closed the connection
+        time.sleep(1.0)  # what the CE would buffer has arrived
+        grown = _rss_bytes() - before
+    finally:
+        for sock in peers:
+            sock.close()
+    # (Before, the port let them send about 4 x 11 MiB here, and held it all.)
+    assert grown < 8 << 20, (sent, grown)
+    layout = secret_ce.role.connector.layout
+    keyless, keyed = Stranger(address), Stranger(address, connect_key(SECRET.encode()))
+    wrong = Stranger(address, connect_key(b"a-guess"))
+    try:
+        for peer in (keyless, wrong):
+            peer.send(encode(hello(layout), SECRET.encode()))
+            assert peer.recv(timeout_s=3) is None
+        keyed.send(encode(hello(layout), SECRET.encode()))
+        assert decode(keyed.recv()[0], SECRET.encode()).ok
+    finally:
+        for peer in (keyless, wrong, keyed):
+            peer.close()
+    assert any("without the cluster's key" in w for w in warnings_of_pdinfer()), warnings_of_pdinfer()

@@ -135,6 +135,18 @@ def decode(frame: bytes, secret: bytes | None) -> Message:
     return _message_decoder.decode(envelope.body)
 
 
+# The key a PE shows in ZeroMQ's PLAIN handshake when the cluster has a secret: the CE's ZAP
+# handler admits a connection only with it, so a peer without the secret is dropped during
+# the handshake, before ZeroMQ reads (and buffers) any message from it. It is derived from
+# the secret, never the secret itself, and travels in clear as the K/V bytes do.
+CONNECT_USER = b"pdinfer-pe"
+ZAP_DOMAIN = b"pdinfer-kv"
+
+
+def connect_key(secret: bytes) -> bytes:
+    return hmac.new(secret, b"pdinfer-kv-connect", hashlib.sha256).hexdigest().encode()
+
+
 def checksum(payload) -> int:
     return zlib.crc32(payload) & 0xFFFFFFFF
 

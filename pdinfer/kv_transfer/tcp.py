@@ -14,6 +14,7 @@ one fails that handshake or is refused, and the rest goes on.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import queue
 import re
@@ -25,18 +26,22 @@ from dataclasses import dataclass, field
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pdinfer.kv_transfer.connector import DEFAULT_HANDSHAKE_TIMEOUT_S, Arrival, HandshakeError, KVConnector
 from pdinfer.kv_transfer.data_plane import BytesPlane, DataPlane
 from pdinfer.kv_transfer.gate import TransferGate
 from pdinfer.kv_transfer.protocol import (
+    CONNECT_USER,
     CONTROL_FRAME_BYTES,
+    ZAP_DOMAIN,
     AuthError,
     Hello,
     HelloAck,
     KVAbort,
     KVAck,
     KVPush,
+    connect_key,
     decode,
     encode,
     frame_limit,
@@ -45,6 +50,9 @@ from pdinfer.kv_transfer.tcp_port import KVPort, RefusalLog
 
 logger = logging.getLogger("pdinfer")
 
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 _ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):([0-9]{1,5})")
 
 
@@ -81,7 +89,12 @@ class TcpConnector(KVConnector):
         self.engine_type = engine_type
         self.instance_id = uuid.uuid4().hex
         self.gate = TransferGate()
-        self._ctx: zmq.Context[zmq.Socket] = zmq.Context.instance()
+        # A CE with a secret authenticates connections with a ZAP handler, which ZeroMQ allows
+        # one of per context: such a CE has a context of its own.
+        self._own_ctx = bool(self.secret) and listen_host is not None
+        self._ctx: zmq.Context[zmq.Socket] = zmq.Context() if self._own_ctx else zmq.Context.instance()
+        self._zap: zmq.Socket | None = None
+        self._monitors: dict[zmq.Socket, str] = {}  # a dealer's handshake events -> its CE address
         self._commands: queue.Queue = queue.Queue()
         self._inbox: queue.Queue[Arrival] = queue.Queue()
         self._events: queue.Queue = queue.Queue()
@@ -124,6 +137,12 @@ class TcpConnector(KVConnector):
         # A PE that reconnects (a reset or flapping link) keeps its routing id, and with it its
         # session; its new connection replaces the old one, which may linger half-open here.
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if self.secret:  # only a peer with the connect key gets past the handshake (ZAP)
+            self._zap = self._ctx.socket(zmq.REP)
+            self._zap.setsockopt(zmq.LINGER, 0)
+            self._zap.bind("inproc://zeromq.zap.01")
+            router.setsockopt(zmq.PLAIN_SERVER, 1)
+            router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         if port:
             router.bind(f"tcp://{host}:{port}")
         else:
@@ -223,6 +242,8 @@ class TcpConnector(KVConnector):
         with self._wake_lock:
             self._wake_send.close(linger=0)
         self.plane.close()
+        if self._own_ctx:
+            self._ctx.destroy(linger=0)
 
     # --- what the data plane may ask (``data_plane.Link``) -------------------------------------
     def send_control(self, address: str, message: KVPush | KVAbort, payload=None) -> None:
@@ -247,6 +268,8 @@ class TcpConnector(KVConnector):
         poller.register(self._wake_recv, zmq.POLLIN)
         if self._router is not None:
             poller.register(self._router, zmq.POLLIN)
+        if self._zap is not None:
+            poller.register(self._zap, zmq.POLLIN)
         try:
             while self._running:
                 for sock, _ in poller.poll(200):
@@ -256,6 +279,10 @@ class TcpConnector(KVConnector):
                             self._run_commands(poller)
                         elif self._port is not None and sock is self._router:
                             self._port.on_message()
+                        elif sock is self._zap:
+                            self._authenticate()
+                        elif sock in self._monitors:
+                            self._on_monitor(poller, sock)
                         else:
                             self._on_dealer(sock)
                     except zmq.ContextTerminated:
@@ -268,7 +295,9 @@ class TcpConnector(KVConnector):
         finally:
             for pending in self._pending_hello.values():
                 _fail(pending.futures, HandshakeError("the KV connector was closed"))
-            for sock in [*self._dealers.values(), self._router, self._wake_recv]:
+            for monitor in list(self._monitors):
+                monitor.close(linger=0)
+            for sock in [*self._dealers.values(), self._router, self._zap, self._wake_recv]:
                 if sock is not None:
                     sock.close(linger=0)
 
@@ -310,10 +339,19 @@ class TcpConnector(KVConnector):
         # ZeroMQ reconnects by itself; a fixed id (ours alone, unguessable) keeps the CE's session
         # for us valid across reconnects, which would otherwise refuse every later push.
         sock.setsockopt(zmq.ROUTING_ID, b"pe-" + uuid.uuid4().hex.encode())
+        if self.secret:
+            sock.setsockopt(zmq.PLAIN_USERNAME, CONNECT_USER)
+            sock.setsockopt(zmq.PLAIN_PASSWORD, connect_key(self.secret))
+        # A CE that refuses the handshake (another secret, or none) answers nothing: its
+        # refusal shows only as an event of our socket's.
+        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        self._monitors[monitor] = address
+        poller.register(monitor, zmq.POLLIN)
         try:
             sock.connect(address)
             hello = self._hello()
         except Exception as exc:  # noqa: BLE001 - e.g. a host name that does not resolve
+            self._close_monitor(poller, sock, address)
             sock.close(linger=0)
             _fail([future], HandshakeError(f"cannot connect to {address}: {exc}"))
             return
@@ -325,8 +363,45 @@ class TcpConnector(KVConnector):
     def _close_dealer(self, poller, address: str) -> None:
         sock = self._dealers.pop(address, None)
         if sock is not None:
+            self._close_monitor(poller, sock, address)
             poller.unregister(sock)
             sock.close(linger=0)
+
+    def _close_monitor(self, poller, sock, address: str) -> None:
+        for monitor in [m for m, a in self._monitors.items() if a == address]:
+            del self._monitors[monitor]
+            poller.unregister(monitor)
+            sock.disable_monitor()
+            monitor.close(linger=0)
+
+    def _on_monitor(self, poller, monitor) -> None:
+        """A dealer's handshake failed: the CE does not share our secret. Its handshake fails now."""
+        event = recv_monitor_message(monitor)
+        address = self._monitors[monitor]
+        pending = self._pending_hello.pop(address, None)
+        self._close_dealer(poller, address)
+        if pending is not None:
+            reason = (
+                "authentication failed" if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "protocol mismatch"
+            )
+            error = f"the CE at {address} refused our connection ({reason}): is --kv-secret the same on both sides?"
+            _fail(pending.futures, HandshakeError(error))
+
+    def _authenticate(self) -> None:
+        """Answer one ZAP request (ZeroMQ asks while a peer's handshake waits): admit PLAIN with
+        the connect key, refuse anything else. A refused peer is dropped before any message."""
+        frames = self._zap.recv_multipart()  # type: ignore[union-attr]
+        version, request_id, _domain, address, _identity, mechanism, *credentials = frames + [b""] * 6
+        ok = (
+            mechanism == b"PLAIN"
+            and len(credentials) >= 2
+            and hmac.compare_digest(credentials[1], connect_key(self.secret))  # type: ignore[arg-type]
+        )
+        if not ok:
+            peer = address.decode(errors="replace")
+            self._refusals.note(peer, "connect", "refusing a KV connection from %s without the cluster's key", peer)
+        status = (b"200", b"OK") if ok else (b"400", b"the cluster's KV key is required")
+        self._zap.send_multipart([version, request_id, *status, CONNECT_USER if ok else b"", b""])  # type: ignore[union-attr]
 
     def _expire_hellos(self, poller) -> None:
         now = time.monotonic()

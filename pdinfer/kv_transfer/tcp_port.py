@@ -2,6 +2,8 @@
 thread) reads it. Everything a stranger may send is checked here, as it arrives, whether the
 engine is busy or idle:
 
+- with a secret, a peer must show the connect key in ZeroMQ's handshake (PLAIN, checked by the
+  connector's ZAP handler): without it, none of its frames is read at all;
 - a frame larger than the largest legal push never arrives (ZMQ_MAXMSGSIZE drops the peer);
 - a message not signed with the cluster secret gets an unsigned refusal;
 - a Hello must carry a nonce never seen before (a replayed Hello is refused) and a matching KV
