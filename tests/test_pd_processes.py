@@ -150,6 +150,13 @@ def test_what_a_stranger_sends_the_engines_is_a_400_and_they_keep_serving(cluste
         # a field of the wrong type (the engine core could not decode the add: the request hung)
         (pe, "/pd/prefill", {"reservation": {**reservation, "transfer_id": 5}}),
         (pe, "/pd/prefill", {"reservation": {**reservation, "num_prompt_tokens": str(len(ids))}}),
+        # converted before, not refused: true as a token id, a field nobody reads
+        (ce, "/pd/decode", {"prompt_token_ids": [True, False]}),
+        (ce, "/pd/decode", {"prompt_token_ids": ["5", "6"]}),
+        (ce, "/pd/decode", {"unknown": 1}),
+        # past the context: the CE reserved blocks for it, the PE answered a 502 server error
+        (ce, "/pd/decode", {"prompt_token_ids": [1] * 3000}),
+        (pe, "/pd/prefill", {"prompt_token_ids": [1] * 3000, "reservation": reservation}),
     ]
     for server, path, extra in cases:
         body = {"request_id": "stranger", "prompt_token_ids": ids, **extra}
@@ -162,6 +169,7 @@ def test_what_a_stranger_sends_the_engines_is_a_400_and_they_keep_serving(cluste
     assert result["prefill_status"] == 200 and len(result["tokens"]) == 16
     for server in (pe, ce):
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert server.wait_blocks_back()["free_blocks"] == server.kv()["total_blocks"]
 
 
 def test_killed_ce_during_transfer_pe_recovers_within_lease(tmp_path, prompt_ids):

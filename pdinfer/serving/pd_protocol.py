@@ -19,7 +19,7 @@ import dataclasses
 from typing import Any
 
 import msgspec
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from pdinfer.engine.pd_common import Reservation
 from pdinfer.outputs import PromptLogprobs
@@ -40,6 +40,10 @@ def sampling_from_dict(values: dict[str, Any]) -> SamplingParams:
 
 
 class DecodeRequest(BaseModel):
+    # As strict as the client API: a field it does not know, or a value of another JSON type
+    # (``true`` as a token id), is a 400, never converted.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     request_id: str = Field(min_length=1, max_length=256)
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: dict[str, Any] = Field(default_factory=dict)

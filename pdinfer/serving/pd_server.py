@@ -34,6 +34,13 @@ class PDEndpoints:
         self.metrics = metrics
 
     async def _add(self, body: DecodeRequest, **extra):
+        limit = self.engine.limits.prompt_limit
+        if limit is not None and len(body.prompt_token_ids) > limit:  # before any block is reserved
+            raise bad_request(
+                f"the prompt has {len(body.prompt_token_ids)} tokens, more than this engine's limit of {limit}",
+                param="prompt_token_ids",
+                code="context_length_exceeded",
+            )
         try:
             params = sampling_from_dict(body.sampling)
             prompt = {"prompt_token_ids": list(body.prompt_token_ids)}
