@@ -4,7 +4,9 @@ user sees of that boundary, through a real ``serve`` process and the real ``open
 - a killed engine core is noticed: the in-flight stream ends with an error event, ``/health``
   fails, new requests get a 503 in OpenAI's shape, nothing hangs;
 - request bodies are bounded (413 in OpenAI's shape) and the server keeps serving;
-- a huge prompt is tokenized off the event loop: ``/health`` answers while it is tokenized.
+- a huge prompt is tokenized off the event loop: ``/health`` answers while it is tokenized;
+- SIGTERM (how ``launch`` and most supervisors stop a server) stops the core and removes its
+  socket folder.
 
 Greedy outputs through ``serve`` (two API-server processes in front of one core) equal ``LLM``'s
 in test_api_server.py.
@@ -13,6 +15,8 @@ in test_api_server.py.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import threading
 
@@ -134,3 +138,23 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(small_bodies):
     thread.join()
     assert events[-1] == "big 400", events  # longer than the context: a 400, not a 500
     assert events[:3] == ["health"] * 3, events
+
+
+def test_sigterm_stops_the_core_and_removes_its_socket_folder(tmp_path):
+    """uvicorn raises the SIGTERM it caught again once it has stopped; its default action ended
+    the process before ``serve`` stopped its core, and every stop left a /tmp/pdinfer-core-*
+    folder behind. Now the process exits 0 having stopped the core and removed the folder."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    server = Server(["serve", *ENGINE], tmp_path / "serve.log", env={"TMPDIR": str(tmp)})
+    server.start()
+    try:
+        (core_dir,) = [p for p in tmp.iterdir() if p.name.startswith("pdinfer-core-")]
+        cores = [pid for pid, args in children(server.proc.pid) if "pdinfer.engine.core" in args]
+        assert len(cores) == 1
+        os.kill(server.proc.pid, signal.SIGTERM)  # the server alone, not its process group
+        assert server.proc.wait(60) == 0, server.log()
+        assert not core_dir.exists()
+        assert not os.path.exists(f"/proc/{cores[0]}")  # stopped and reaped by serve
+    finally:
+        server.stop()

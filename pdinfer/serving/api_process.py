@@ -51,11 +51,22 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def serve_on(app, sock: socket.socket) -> None:
-    """Run the app's uvicorn server on an already bound socket."""
+    """Run the app's uvicorn server on an already bound socket. SIGTERM stops it as Ctrl-C does,
+    and then ends the process through the callers' ``finally`` blocks (the engine core stopped,
+    its socket folder removed): uvicorn raises the signal it caught again once it has stopped,
+    and the default action of SIGTERM would end the process on the spot."""
     from pdinfer.serving.frontend import http_server
 
     host, port = sock.getsockname()[:2]
-    http_server(app, host, port).run(sockets=[sock])
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        http_server(app, host, port).run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 def start_api_servers(cfg: APIServerConfig, count: int) -> list[subprocess.Popen]:
