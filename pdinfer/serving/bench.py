@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdinfer.cli_args import non_negative_int, positive_int
+
 _WORDS = (
     "the of and to in is it that was for on are with as his they be at one have this from or "
     "had by hot word but what some we can out other were all there when up use your how said an "
@@ -243,7 +245,7 @@ async def bench(args) -> list[dict]:
             base_url=base, api_key=args.api_key or "none", max_retries=0, timeout=args.timeout_s
         )
         try:
-            model = args.model or (await client.models.list()).data[0].id
+            model = args.model or await _first_model(client, base)
             for _ in range(args.warmup):
                 await run_one(client, model, BenchRequest(requests[0].prompt, 4), args)
             for load in loads:
@@ -253,6 +255,19 @@ async def bench(args) -> list[dict]:
         finally:
             await client.close()
     return rows
+
+
+async def _first_model(client, base: str) -> str:
+    """The server's first model; a ValueError (one line for the user) when it cannot say."""
+    import openai
+
+    try:
+        models = (await client.models.list()).data
+    except openai.APIError as exc:
+        raise ValueError(f"cannot list the models at {base} ({exc}); is the server up? (or give --model)") from None
+    if not models:
+        raise ValueError(f"{base} serves no model")
+    return models[0].id
 
 
 def add_bench_parser(subparsers) -> None:
@@ -279,7 +294,7 @@ def add_bench_parser(subparsers) -> None:
         default=None,
         help="several rates or concurrencies (by the mode), e.g. 1,2,4",
     )
-    s.add_argument("--num-prompts", type=int, default=32)
+    s.add_argument("--num-prompts", type=positive_int, default=32)
     s.add_argument("--dataset", default="synthetic", help="'synthetic' or a JSONL file")
     s.add_argument(
         "--input-len",
@@ -301,7 +316,7 @@ def add_bench_parser(subparsers) -> None:
         help="send ignore_eos (pdinfer and vLLM extra) so outputs have max_tokens",
     )
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--warmup", type=int, default=1, help="unmeasured requests first, per server")
+    s.add_argument("--warmup", type=non_negative_int, default=1, help="unmeasured requests first, per server")
     s.add_argument("--timeout-s", type=float, default=1800.0)
     s.add_argument("--plot", default=None, help="write latency against load here (PNG)")
     s.add_argument("--json", default=None, help="write the rows here")
