@@ -34,6 +34,7 @@ def _still_serves(llm):
         ({"prompt_token_ids": [5, None]}, "token ids"),
         ({"prompt_token_ids": "57"}, "token ids"),
         ({"prompt_token_ids": [[5, 7]]}, "token ids"),
+        ({"prompt_token_ids": [True, 2]}, "token ids"),  # array("q") took it as [1, 2]
         ({"text": "no ids"}, "prompt_token_ids"),
         (42, "a prompt is text"),
     ],
@@ -122,6 +123,33 @@ def test_duplicate_request_id_is_refused(llm):
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     _still_serves(llm)
+
+
+@pytest.mark.parametrize("params", [{"max_tokens": 2}, 5, [SamplingParams(), {"max_tokens": 2}]])
+def test_sampling_params_of_another_type_raise_value_error(llm, params):
+    prompts = ["Hi"] * (len(params) if isinstance(params, list) else 1)
+    with pytest.raises(ValueError, match="must be SamplingParams"):  # an AttributeError before
+        llm.generate(prompts, params, use_tqdm=False)
+    assert not llm.engine.requests
+    _still_serves(llm)
+
+
+@pytest.mark.parametrize(
+    "messages", ["hello", [], [{"role": "wizard", "content": "hi"}], [["not a message"]], [{"content": "no role"}]]
+)
+def test_chat_checks_its_messages(llm, messages):
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.requests
+
+
+def test_chat_gives_a_developer_message_to_the_template_as_system(llm):
+    params = SamplingParams(temperature=0, max_tokens=6)
+    turns = [{"role": "user", "content": "Name a colour."}]
+    as_system = llm.chat([{"role": "system", "content": "Answer in French."}, *turns], params, use_tqdm=False)
+    as_developer = llm.chat([{"role": "developer", "content": "Answer in French."}, *turns], params, use_tqdm=False)
+    assert as_developer[0].prompt_token_ids == as_system[0].prompt_token_ids
+    assert as_developer[0].outputs[0].text == as_system[0].outputs[0].text
 
 
 def test_sampling_params_changed_after_construction_are_checked_again(llm):

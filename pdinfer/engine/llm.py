@@ -50,6 +50,9 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams (or a list of them), got {type(p).__name__}")
         for prompt, p in zip(prompts, params):  # validate everything before adding anything
             self.engine.tokenize(prompt)
             p.verify()
@@ -76,9 +79,14 @@ class LLM:
         """``messages``: one conversation (a list of {"role", "content"}) or a list of them."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, list) or not messages:
+            raise ValueError('messages must be a list of {"role", "content"} (or a list of such lists)')
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
+            _check_conversation(conversation)
+            # developer: OpenAI's newer name for system, given to the template as system (as `serve` does)
+            conversation = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
             text = self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt
             )
@@ -108,3 +116,15 @@ class LLM:
         finally:
             bar.close()
         return [final[i] for i in ids]
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_conversation(conversation) -> None:
+    """A conversation is a non-empty list of {"role", "content"} with OpenAI's roles."""
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError('messages must be a list of {"role", "content"} (or a list of such lists)')
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}] must be a dict whose role is one of {', '.join(CHAT_ROLES)}")

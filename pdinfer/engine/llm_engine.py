@@ -354,8 +354,10 @@ class LLMEngine:
     def _check_token_ids(self, token_ids) -> list[int]:
         vocab = self.spec.vocab_size
         message = f"prompt token ids must be integers in [0, {vocab})"
-        if isinstance(token_ids, (str, bytes, dict)):
-            raise ValueError(message)
+        if isinstance(token_ids, (str, bytes, dict)) or (
+            isinstance(token_ids, list) and bool in set(map(type, token_ids))
+        ):
+            raise ValueError(message)  # (array("q") would take true and false as 1 and 0)
         try:  # a C loop: 64-bit integers only (a float, string or None raises), then the range
             ids = array("q", token_ids)
         except (TypeError, OverflowError, ValueError) as e:
