@@ -14,7 +14,6 @@ one fails that handshake or is refused, and the rest goes on.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import queue
 import re
@@ -46,7 +45,7 @@ from pdinfer.kv_transfer.protocol import (
     encode,
     frame_limit,
 )
-from pdinfer.kv_transfer.tcp_port import KVPort, RefusalLog
+from pdinfer.kv_transfer.tcp_port import KVPort, RefusalLog, answer_zap
 
 logger = logging.getLogger("pdinfer")
 
@@ -280,7 +279,7 @@ class TcpConnector(KVConnector):
                         elif self._port is not None and sock is self._router:
                             self._port.on_message()
                         elif sock is self._zap:
-                            self._authenticate()
+                            answer_zap(self._zap, connect_key(self.secret), self._refusals)  # type: ignore[arg-type]
                         elif sock in self._monitors:
                             self._on_monitor(poller, sock)
                         else:
@@ -386,22 +385,6 @@ class TcpConnector(KVConnector):
             )
             error = f"the CE at {address} refused our connection ({reason}): is --kv-secret the same on both sides?"
             _fail(pending.futures, HandshakeError(error))
-
-    def _authenticate(self) -> None:
-        """Answer one ZAP request (ZeroMQ asks while a peer's handshake waits): admit PLAIN with
-        the connect key, refuse anything else. A refused peer is dropped before any message."""
-        frames = self._zap.recv_multipart()  # type: ignore[union-attr]
-        version, request_id, _domain, address, _identity, mechanism, *credentials = frames + [b""] * 6
-        ok = (
-            mechanism == b"PLAIN"
-            and len(credentials) >= 2
-            and hmac.compare_digest(credentials[1], connect_key(self.secret))  # type: ignore[arg-type]
-        )
-        if not ok:
-            peer = address.decode(errors="replace")
-            self._refusals.note(peer, "connect", "refusing a KV connection from %s without the cluster's key", peer)
-        status = (b"200", b"OK") if ok else (b"400", b"the cluster's KV key is required")
-        self._zap.send_multipart([version, request_id, *status, CONNECT_USER if ok else b"", b""])  # type: ignore[union-attr]
 
     def _expire_hellos(self, poller) -> None:
         now = time.monotonic()

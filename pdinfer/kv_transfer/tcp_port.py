@@ -17,6 +17,7 @@ Each kind of refusal is logged once per peer host.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import re
 import uuid
@@ -28,6 +29,7 @@ import zmq
 
 from pdinfer.kv_transfer.connector import Arrival
 from pdinfer.kv_transfer.protocol import (
+    CONNECT_USER,
     PROTOCOL_VERSION,
     AuthError,
     Hello,
@@ -194,3 +196,16 @@ def _unverified_nonce(frame: bytes) -> str:
     except Exception:  # noqa: BLE001 - anything unreadable has no nonce to echo
         return ""
     return message.nonce if isinstance(message, Hello) else ""
+
+
+def answer_zap(zap: zmq.Socket, key: bytes, refusals: RefusalLog) -> None:
+    """Answer one ZAP request (ZeroMQ asks while a peer's handshake waits): admit PLAIN with the
+    connect key, refuse anything else. A refused peer is dropped before any message of its."""
+    frames = zap.recv_multipart()
+    version, request_id, _domain, address, _identity, mechanism, *credentials = frames + [b""] * 6
+    ok = mechanism == b"PLAIN" and len(credentials) >= 2 and hmac.compare_digest(credentials[1], key)
+    if not ok:
+        peer = address.decode(errors="replace")
+        refusals.note(peer, "connect", "refusing a KV connection from %s without the cluster's key", peer)
+    status = (b"200", b"OK") if ok else (b"400", b"the cluster's KV key is required")
+    zap.send_multipart([version, request_id, *status, CONNECT_USER if ok else b"", b""])

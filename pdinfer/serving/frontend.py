@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdinfer.engine.output_tracker import ChoiceDelta
 from pdinfer.serving import protocol, tools
+from pdinfer.serving.logprobs import chat_logprobs, completion_logprobs
 from pdinfer.serving.prompt_echo import PromptEcho
 from pdinfer.serving.protocol import APIError, ChatCompletionRequest, bad_request
 
@@ -309,8 +310,8 @@ class ResponseFormat:
         if self.num_logprobs is None or delta.logprobs is None:
             return None
         if self.chat:
-            return protocol.chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, self.num_logprobs)
-        return protocol.completion_logprobs(
+            return chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, self.num_logprobs)
+        return completion_logprobs(
             self.tokenizer, delta.token_ids, delta.logprobs, self.num_logprobs, delta.text_offset
         )
 

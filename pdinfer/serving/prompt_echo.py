@@ -22,6 +22,7 @@ from typing import Protocol
 
 from pdinfer.outputs import PromptLogprobs
 from pdinfer.serving import protocol
+from pdinfer.serving.logprobs import completion_logprobs
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM and OpenAI send this instead
 
@@ -121,7 +122,7 @@ class PromptEcho:
             if "token_ids" in choice:
                 choice["token_ids"] = []
             if choice["logprobs"] is not None:
-                choice["logprobs"] = protocol.completion_logprobs(self.tokenizer, [], [], 0, 0)
+                choice["logprobs"] = completion_logprobs(self.tokenizer, [], [], 0, 0)
         if self.echo:
             self._echo(choice, index // self.n, first)
         if self.prompt_logprobs is not None and first:
@@ -146,7 +147,7 @@ class PromptEcho:
         ids, plp = source.prompt_token_ids, source.prompt_logprobs
         k = self.num_logprobs or 0
         entries = [e for e in (plp or PromptLogprobs()).as_dicts(ids, top_k=k) if e is not None]  # all but the first
-        head = protocol.completion_logprobs(self.tokenizer, ids[1:], entries, k, 0)
+        head = completion_logprobs(self.tokenizer, ids[1:], entries, k, 0)
         first = self.tokenizer.decode([ids[0]])
         head["tokens"].insert(0, first)
         head["token_logprobs"].insert(0, None)
