@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import subprocess
 import threading
 import time
 
@@ -17,7 +19,7 @@ import tool_checks
 from conftest import PROMPTS
 from fake_engines import FakeCE, ScriptedEngine
 from openai_errors import assert_openai_error, check_malformed_inputs, post_json
-from servers import Server, free_port
+from servers import Server, free_port, pdinfer_command
 
 from pdinfer.core.block_manager import ROOT_HASH, chain_hash
 from pdinfer.serving.load_balancer import (
@@ -633,3 +635,19 @@ def test_a_request_the_ce_finished_before_the_pe_answered_is_not_aborted_on_the_
     assert resp.status_code == 200 and resp.json()["choices"][0]["token_ids"] == [87], resp.text
     time.sleep(3)  # the PE checks its connection every 0.5 s
     assert pe.kv()["num_aborted"] == aborted
+
+
+def test_a_worker_whose_router_died_while_it_started_exits(tmp_path):
+    """A worker sets its parent-death signal once it runs: a router that died before that never
+    signals it, and it served on alone (one was found orphaned). It now checks that its parent
+    is the router that started it, and ends at once otherwise."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        args = ["router", "--normal", "http://127.0.0.1:1", "--workers", "1", "--listen-fd", str(sock.fileno())]
+        worker = subprocess.Popen(
+            [*pdinfer_command(), *args, "--parent-pid", "1"],  # not its parent: as if the router had died
+            pass_fds=(sock.fileno(),),
+            stderr=open(tmp_path / "worker.log", "w"),
+        )
+        assert worker.wait(120) == 0, (tmp_path / "worker.log").read_text()

@@ -4,6 +4,7 @@ command starts without importing the web stack)."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import subprocess
@@ -108,6 +109,7 @@ def add_router_parser(subparsers) -> None:
         "with its own health checks); more than one when one core cannot relay every token",
     )
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # a worker's inherited socket
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # the router that started it
     p.set_defaults(func=run_router)
 
 
@@ -117,6 +119,12 @@ def run_router(args: argparse.Namespace) -> int:
     from pdinfer.serving.api_process import listening_socket, serve_on, stop_api_servers
     from pdinfer.serving.router import Router, RouterConfig, build_router_app
 
+    if args.listen_fd is not None:
+        # A worker ends with the router that started it, also one that died while it started
+        # (before the death signal was set: then its parent is already another process).
+        env.set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != args.parent_pid:
+            return 0
     try:
         config = RouterConfig(
             prefill_urls=[u.rstrip("/") for u in args.prefill],
@@ -141,7 +149,6 @@ def run_router(args: argparse.Namespace) -> int:
     router = Router(config, name, tokenizer, hf_config.get("vocab_size"), hf_config.get("max_position_embeddings"))
     app = build_router_app(router, args.max_body_bytes)
     if args.listen_fd is not None:  # a worker: its parent bound the socket and announced it
-        env.set_parent_death_signal(signal.SIGTERM)
         serve_on(app, socket.socket(fileno=args.listen_fd))
         return 0
     try:
@@ -172,7 +179,10 @@ def _start_workers(sock: socket.socket, count: int) -> list[subprocess.Popen]:
     argv = [a for a in sys.argv[1:]]
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "pdinfer.cli", *argv, "--workers", "1", "--listen-fd", str(sock.fileno())],
+            [
+                *(sys.executable, "-m", "pdinfer.cli", *argv),
+                *("--workers", "1", "--listen-fd", str(sock.fileno()), "--parent-pid", str(os.getpid())),
+            ],
             pass_fds=(sock.fileno(),),
             env=env.child_environ(),
         )
