@@ -7,6 +7,7 @@ import logging
 from collections.abc import Sequence as SequenceABC
 from typing import TYPE_CHECKING
 
+from pdinfer.chat import CHAT_ROLES, template_role
 from pdinfer.config import EngineArgs
 from pdinfer.engine.heap import startup_objects_frozen
 from pdinfer.engine.llm_engine import LLMEngine
@@ -50,10 +51,9 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        for p in params:
+        for prompt, p in zip(prompts, params):  # validate everything before adding anything
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams (or a list of them), got {type(p).__name__}")
-        for prompt, p in zip(prompts, params):  # validate everything before adding anything
             self.engine.tokenize(prompt)
             p.verify()
         batch = next(_batch_ids)
@@ -85,8 +85,7 @@ class LLM:
         prompts = []
         for conversation in conversations:
             _check_conversation(conversation)
-            # developer: OpenAI's newer name for system, given to the template as system (as `serve` does)
-            conversation = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
+            conversation = [{**m, "role": template_role(m["role"])} for m in conversation]
             text = self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt
             )
@@ -116,9 +115,6 @@ class LLM:
         finally:
             bar.close()
         return [final[i] for i in ids]
-
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _check_conversation(conversation) -> None:

@@ -340,9 +340,9 @@ class LLMEngine:
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise ValueError("a dict prompt needs 'prompt_token_ids'")
-            return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            return prompt.get("prompt"), self._check_token_ids(_no_bools(prompt["prompt_token_ids"]))
         if isinstance(prompt, list):
-            return None, self._check_token_ids(prompt)
+            return None, self._check_token_ids(_no_bools(prompt))
         if not isinstance(prompt, str):
             raise ValueError(f"a prompt is text or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if not prompt:
@@ -354,10 +354,8 @@ class LLMEngine:
     def _check_token_ids(self, token_ids) -> list[int]:
         vocab = self.spec.vocab_size
         message = f"prompt token ids must be integers in [0, {vocab})"
-        if isinstance(token_ids, (str, bytes, dict)) or (
-            isinstance(token_ids, list) and bool in set(map(type, token_ids))
-        ):
-            raise ValueError(message)  # (array("q") would take true and false as 1 and 0)
+        if isinstance(token_ids, (str, bytes, dict)):
+            raise ValueError(message)
         try:  # a C loop: 64-bit integers only (a float, string or None raises), then the range
             ids = array("q", token_ids)
         except (TypeError, OverflowError, ValueError) as e:
@@ -640,3 +638,11 @@ def _device_and_dtype(args: EngineArgs) -> tuple[torch.device, torch.dtype]:
     if device.type == "cpu" and args.num_threads is None and os.cpu_count():
         torch.set_num_threads(os.cpu_count() or 1)
     return device, dtype
+
+
+def _no_bools(token_ids):
+    """Token ids a caller gave, refused if any is a bool (``array("q")`` takes True for 1); the
+    tokenizer's own ids skip this pass."""
+    if isinstance(token_ids, list) and bool in set(map(type, token_ids)):
+        raise ValueError("prompt token ids must be integers, not true or false")
+    return token_ids

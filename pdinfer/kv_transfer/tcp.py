@@ -85,6 +85,7 @@ class TcpConnector(KVConnector):
     ):
         self.plane = plane if plane is not None else BytesPlane()
         self.secret = secret.encode() if secret else None
+        self._connect_key = connect_key(self.secret) if self.secret else b""  # shown in every handshake
         self.engine_type = engine_type
         self.instance_id = uuid.uuid4().hex
         self.gate = TransferGate()
@@ -279,7 +280,7 @@ class TcpConnector(KVConnector):
                         elif self._port is not None and sock is self._router:
                             self._port.on_message()
                         elif sock is self._zap:
-                            answer_zap(self._zap, connect_key(self.secret), self._refusals)  # type: ignore[arg-type]
+                            answer_zap(self._zap, self._connect_key, self._refusals)
                         elif sock in self._monitors:
                             self._on_monitor(poller, sock)
                         else:
@@ -340,7 +341,7 @@ class TcpConnector(KVConnector):
         sock.setsockopt(zmq.ROUTING_ID, b"pe-" + uuid.uuid4().hex.encode())
         if self.secret:
             sock.setsockopt(zmq.PLAIN_USERNAME, CONNECT_USER)
-            sock.setsockopt(zmq.PLAIN_PASSWORD, connect_key(self.secret))
+            sock.setsockopt(zmq.PLAIN_PASSWORD, self._connect_key)
         # A CE that refuses the handshake (another secret, or none) answers nothing: its
         # refusal shows only as an event of our socket's.
         monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)

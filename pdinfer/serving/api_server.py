@@ -115,8 +115,7 @@ class OpenAIServer:
         except BaseException as exc:
             gen.close()
             if isinstance(exc, ValueError):
-                where = "messages" if isinstance(body, protocol.ChatCompletionRequest) else "prompt"
-                raise bad_request(str(exc), param=body.param_of(str(exc), where)) from None
+                raise bad_request(str(exc), param=body.param_of(str(exc))) from None
             if isinstance(exc, EngineOverloadedError):
                 raise APIError(503, str(exc), type="server_overloaded", code="overloaded") from None
             if isinstance(exc, EngineDeadError):

@@ -231,16 +231,20 @@ class PromptBuilder:
 
     def checked(self, prompt: dict, param: str) -> dict:
         token_ids = prompt["prompt_token_ids"]
-        limit = self.prompt_limit
-        if limit is not None and len(token_ids) > limit:
-            raise bad_request(
-                f"the prompt has {len(token_ids)} tokens, more than this engine's limit of {limit}",
-                param=param,
-                code="context_length_exceeded",
-            )
+        check_prompt_length(len(token_ids), self.prompt_limit, param)
         if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in token_ids):
             raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", param=param)
         return prompt
+
+
+def check_prompt_length(num_tokens: int, limit: int | None, param: str) -> None:
+    """A 400 for a prompt longer than the engine takes (``limit`` None: no limit)."""
+    if limit is not None and num_tokens > limit:
+        raise bad_request(
+            f"the prompt has {num_tokens} tokens, more than this engine's limit of {limit}",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def _add_system(messages: list[dict], text: str) -> None:

@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from pdinfer.engine.client import EngineClient, EngineDeadError, EngineOverloadedError
 from pdinfer.engine.pd_common import NoRoomError
 from pdinfer.kv_transfer.connector import HandshakeError
-from pdinfer.serving.frontend import run_unless_disconnected
+from pdinfer.serving.frontend import check_prompt_length, run_unless_disconnected
 from pdinfer.serving.pd_protocol import (
     DecodeEvent,
     DecodeRequest,
@@ -34,13 +34,8 @@ class PDEndpoints:
         self.metrics = metrics
 
     async def _add(self, body: DecodeRequest, **extra):
-        limit = self.engine.limits.prompt_limit
-        if limit is not None and len(body.prompt_token_ids) > limit:  # before any block is reserved
-            raise bad_request(
-                f"the prompt has {len(body.prompt_token_ids)} tokens, more than this engine's limit of {limit}",
-                param="prompt_token_ids",
-                code="context_length_exceeded",
-            )
+        # before any block is reserved
+        check_prompt_length(len(body.prompt_token_ids), self.engine.limits.prompt_limit, "prompt_token_ids")
         try:
             params = sampling_from_dict(body.sampling)
             prompt = {"prompt_token_ids": list(body.prompt_token_ids)}

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from pdinfer.chat import ChatRole, template_role
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.serving.errors import APIError, bad_request
 
@@ -108,6 +109,7 @@ class _GenerationRequest(BaseModel):
     """The fields /v1/completions and /v1/chat/completions share. ``None`` means the default."""
 
     model_config = _STRICT
+    PROMPT_FIELD: ClassVar[str] = "prompt"
 
     model: str | None = None
     max_tokens: int | None = None
@@ -249,14 +251,15 @@ class _GenerationRequest(BaseModel):
 
     def param_of(self, message: str, default: str | None = None) -> str | None:
         """The field of this request that a sampling or engine error names, as the request
-        spelled it (``structured_outputs`` may have come as response_format or guided_json)."""
+        spelled it (``structured_outputs`` may have come as response_format or guided_json);
+        else ``default``, else the field that holds the prompt."""
         param = param_named(message)
         if param == "structured_outputs" and self.structured_outputs is None:
             given = [f"guided_{k}" for k in _GUIDED if getattr(self, f"guided_{k}") is not None]
             param = given[0] if given else "response_format"
             if param == "response_format" and self.response_format is None:
                 param = "tool_choice"  # a forced tool call: its parameters' schema constrains the output
-        return param or default
+        return param or default or self.PROMPT_FIELD
 
 
 def param_named(message: str) -> str | None:
@@ -324,8 +327,7 @@ class ChatMessage(BaseModel):
     # Extra fields are allowed: clients send an assistant message back as they got it
     # (``refusal``, ``annotations``, ``audio`` null ...).
     model_config = ConfigDict(extra="allow", strict=True)
-    # developer: OpenAI's newer name for system, given to the template as system
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: ChatRole  # developer goes to the template as system
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
@@ -340,8 +342,7 @@ class ChatMessage(BaseModel):
             if any(part.type != "text" for part in content):
                 raise bad_request("only text content parts are supported", param="messages")
             content = "".join(part.text or "" for part in content)
-        role = "system" if self.role == "developer" else self.role
-        message: dict[str, Any] = {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": template_role(self.role), "content": content or ""}
         if self.name:
             message["name"] = self.name
         if self.tool_call_id is not None:
@@ -380,6 +381,7 @@ def _template_call(call: Any) -> dict[str, Any]:
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    PROMPT_FIELD: ClassVar[str] = "messages"
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -286,16 +286,14 @@ class Router:
         sampling = sampling_to_dict(params)
         # A batch of many prompts runs at most MAX_PROMPTS_IN_FLIGHT at a time: all at once, it
         # would fill a PE's waiting queue by itself and be refused as overload.
-        gate = asyncio.Semaphore(MAX_PROMPTS_IN_FLIGHT) if len(prompts) > MAX_PROMPTS_IN_FLIGHT else None
+        gate = asyncio.Semaphore(MAX_PROMPTS_IN_FLIGHT)
         for i, prompt in enumerate(prompts):
             job = PDJob(i, f"{gen.request_id}-{i}", list(prompt["prompt_token_ids"]), sampling, gen.queue)
             gen.prompts.append(_Prompt(job, prompt.get("prompt")))
             gen.tasks.append(asyncio.ensure_future(self._drive(job, gate)))
         return gen
 
-    async def _drive(self, job: PDJob, gate: asyncio.Semaphore | None) -> None:
-        if gate is None:
-            return await self.driver.drive(job)
+    async def _drive(self, job: PDJob, gate: asyncio.Semaphore) -> None:
         async with gate:
             await self.driver.drive(job)
 
