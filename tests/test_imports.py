@@ -35,6 +35,7 @@ LAYERS: list[list[str]] = [
         "pdinfer.sampling_params",
         "pdinfer.outputs",
         "pdinfer.sequence",
+        "pdinfer.chat",
     ],
     ["pdinfer.core"],  # scheduler, block manager, DP step vote
     [
