@@ -66,3 +66,12 @@ def test_generate_refuses_bad_flags_before_loading(flag, value):
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert flag.strip("-").split("-")[0] in stderr
+
+
+def test_python_dash_m_pdinfer_is_the_command():
+    """``python -m pdinfer`` (a virtual environment not activated) runs the same CLI."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdinfer", "serve", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--api-key" in proc.stdout

@@ -58,9 +58,14 @@ def front_from_args(args: argparse.Namespace, engine_args):
         front = DPFront(engine_args, options, max_waiting=args.max_waiting)
     except ValueError as exc:
         raise SystemExit(f"pdinfer serve: {exc}") from None
+    from pdinfer.engine.client import EngineDeadError
+
     front.start()
     try:
         front.wait_ready()
+    except EngineDeadError as exc:  # the ranks logged the cause; the user gets one line
+        front.shutdown()
+        raise SystemExit(f"pdinfer serve: the engine cannot start: {exc}") from None
     except BaseException:
         front.shutdown()
         raise

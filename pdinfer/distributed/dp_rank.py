@@ -231,7 +231,9 @@ def run_rank(cfg: RankConfig) -> int:
         channel.send(RankReady(cfg.rank, cfg.generation, os.getpid(), engine.num_blocks, block_size, kv_address))
         RankLoop(cfg, engine, group, channel).run()
     except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
-        logger.error("DP rank %d failed: %s", cfg.rank, exc, exc_info=not _is_peer_failure(exc))
+        # A peer's failure, or a setting that cannot work (as the engine core reports it): one line
+        setting = engine is None and isinstance(exc, (ValueError, FileNotFoundError))
+        logger.error("DP rank %d failed: %s", cfg.rank, exc, exc_info=not (_is_peer_failure(exc) or setting))
         channel.send(RankFailed(cfg.rank, cfg.generation, f"{type(exc).__name__}: {exc}", peer=_is_peer_failure(exc)))
         channel.close()
         return 1
@@ -262,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = msgspec.json.decode(argv[0], type=RankConfig)
     die_with_parent(cfg.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front, which stops us
+    for sig in (signal.SIGINT, signal.SIGTERM):  # they reach the front too, which stops us in order
+        signal.signal(sig, signal.SIG_IGN)
     import pdinfer  # noqa: F401  (sets up the pdinfer logger)
 
     for handler in logger.handlers:

@@ -236,7 +236,11 @@ def main() -> int:
     env.set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != cfg.parent_pid:  # the parent died before prctl took effect
         return 1
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops us
+    # Ctrl-C, and a SIGTERM sent to the whole process group or cgroup (launch, systemd), reach
+    # the server too, which stops its API servers and then us: a core that died first would fail
+    # their last requests and log an error. We die with the server all the same (the death signal).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     import pdinfer  # noqa: F401  (sets up the pdinfer logger)
 
     for handler in logger.handlers:
