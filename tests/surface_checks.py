@@ -149,3 +149,23 @@ def check_partial_character_logprobs(client: openai.OpenAI) -> None:
     for token, offset in zip(lp.tokens, lp.text_offset):
         if not token.startswith("bytes:"):
             assert text[offset:].startswith(token), (token, offset, text)
+
+
+def check_one_finish_per_choice(client: openai.OpenAI) -> None:
+    """n = 2 sampled choices that end at different steps: a stream sends each choice's finish
+    once (it repeated the first one's at every later chunk) and joins to the same texts as the
+    same seeded request without streaming."""
+    ask = {"model": MODEL, "max_tokens": 24, "n": 2, "temperature": 1.0, "seed": 5, "stop": [" "]}
+    completions = (client.completions.create, {"prompt": "Name some colors:"}, lambda c: c.text, lambda c: c.text)
+    chat = (client.chat.completions.create, {"messages": CHAT}, lambda c: c.message.content, lambda c: c.delta.content)
+    for create, extra, whole_text, chunk_text in (completions, chat):
+        expected = {c.index: whole_text(c) for c in create(**ask, **extra).choices}
+        texts: dict[int, str] = {0: "", 1: ""}
+        finishes: dict[int, int] = {0: 0, 1: 0}
+        for chunk in create(**ask, **extra, stream=True):
+            for c in chunk.choices:
+                texts[c.index] += chunk_text(c) or ""
+                finishes[c.index] += c.finish_reason is not None
+        assert finishes == {0: 1, 1: 1}, finishes
+        assert texts == expected
+        assert len(expected[0]) != len(expected[1])  # the seed makes them end apart

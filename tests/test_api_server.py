@@ -131,6 +131,7 @@ def test_min_tokens_guided_names_and_partial_character_logprobs(client):
     surface_checks.check_min_tokens(client)
     surface_checks.check_guided_names(client)
     surface_checks.check_partial_character_logprobs(client)
+    surface_checks.check_one_finish_per_choice(client)
 
 
 def test_chat_stream_joins_to_the_non_stream_text(client, greedy_texts):

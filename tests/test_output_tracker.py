@@ -116,3 +116,19 @@ def test_engine_failure_ends_every_output_with_an_error(tokenizer, ids):
     result = t.output()
     assert result.finished and result.error == "the engine went away"
     assert [c.finish_reason for c in result.outputs] == ["error", "error", "error"]
+
+
+def test_a_finished_output_is_shown_once_while_its_siblings_run_on(tokenizer, ids):
+    """n = 2, output 0 ends first: a stream shows its finish once (OpenAI sends one finish chunk
+    per choice); it repeated it, with an empty delta, at every later read until output 1 ended."""
+    t = tracker(tokenizer, ids("Say:"), n=2, max_tokens=100)
+    feed(t, ids(" yes"), index=0, finish="stop")
+    feed(t, ids(" one"), index=1)
+    first = t.take_shown()
+    assert sorted((d.index, d.finish_reason) for d in first) == [(0, "stop"), (1, None)]
+    for word in (" two", " three"):
+        feed(t, ids(word), index=1)
+        assert [(d.index, d.finish_reason) for d in t.take_shown()] == [(1, None)]
+    feed(t, [], index=1, finish="length", finished=True)
+    assert [(d.index, d.finish_reason) for d in t.take_shown()] == [(1, "length")]
+    assert t.take_shown() == []

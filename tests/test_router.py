@@ -306,6 +306,7 @@ def test_min_tokens_guided_names_and_partial_character_logprobs_through_pe_and_c
     surface_checks.check_min_tokens(client)
     surface_checks.check_guided_names(client)
     surface_checks.check_partial_character_logprobs(client)
+    surface_checks.check_one_finish_per_choice(client)
 
 
 def test_a_batch_larger_than_the_pes_queue_is_served_whole(cluster, normal_llm):

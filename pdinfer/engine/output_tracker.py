@@ -54,6 +54,7 @@ class _Choice:
         "stop_reason",
         "num_shown_chars",
         "num_shown_tokens",
+        "finish_shown",
     )
 
     def __init__(self, index: int, detok: DetokState, want_logprobs: bool):
@@ -67,6 +68,7 @@ class _Choice:
         self.stop_reason: int | str | None = None
         self.num_shown_chars = 0
         self.num_shown_tokens = 0
+        self.finish_shown = False  # its last delta went out: nothing more is shown of it
 
 
 class OutputTracker:
@@ -184,7 +186,10 @@ class OutputTracker:
         return False
 
     def _shown(self, choice: _Choice) -> ChoiceDelta | None:
-        """What of ``choice`` is new and may be shown now; None if nothing is."""
+        """What of ``choice`` is new and may be shown now; None if nothing is. An output's finish
+        is shown once, though its siblings (n > 1) run on."""
+        if choice.finish_shown:
+            return None
         end = len(choice.text)
         if choice.finish_reason is None and self._hold:
             end = max(choice.num_shown_chars, end - self._hold)
@@ -197,6 +202,7 @@ class OutputTracker:
             choice.index, text, new_ids, logprobs, choice.finish_reason, choice.num_shown_chars, choice.stop_reason
         )
         choice.num_shown_chars, choice.num_shown_tokens = end, len(choice.token_ids)
+        choice.finish_shown = choice.finish_reason is not None
         return out
 
     def fail(self, error: str) -> None:
