@@ -212,6 +212,10 @@ def test_logit_bias_equals_llm_with_the_same_bias(client, reference_llm):
             "nonsense",
         ),
         ({"structured_outputs": {"regex": "(abc"}}, "parenthesis"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+            "cannot enforce 'not'",
+        ),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 300}}, "logit_bias"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),

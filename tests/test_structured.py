@@ -85,6 +85,66 @@ def test_an_invalid_spec_is_refused_naming_the_problem(llm, spec, problem):
     assert_blocks_back(llm.engine)
 
 
+def _obj(required: list[str], **extra) -> dict:
+    props = {"a": {"type": "integer"}, "b": {"type": "integer"}}
+    return {"type": "object", "properties": props, "required": required, **extra}
+
+
+INTS = {"type": "array", "items": {"type": "integer"}}
+# (keyword, schema, an instance the schema forbids that xgrammar's matcher accepts)
+UNENFORCED = [
+    ("allOf", {"allOf": [_obj(["a"]), _obj(["b"])]}, "[1]"),
+    ("oneOf", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, "1"),
+    ("not", {"not": {"type": "integer"}}, "1"),
+    ("if", _obj(["a"], **{"if": _obj([], properties={"a": {"const": 1}}), "then": {"required": ["b"]}}), '{"a": 1}'),
+    ("dependentRequired", _obj([], dependentRequired={"a": ["b"]}), '{"a": 1}'),
+    ("dependentSchemas", _obj([], dependentSchemas={"a": {"required": ["b"]}}), '{"a": 1}'),
+    (
+        "dependencies",
+        _obj([], dependencies={"a": ["b"]}, **{"$schema": "http://json-schema.org/draft-07/schema#"}),
+        '{"a": 1}',
+    ),
+    ("uniqueItems", {**INTS, "uniqueItems": True}, "[1, 1]"),
+    ("contains", {**INTS, "contains": {"const": 5}}, "[1]"),
+    ("regex", {"type": "string", "format": "regex"}, '"("'),
+    ("uniqueItems", {"type": "object", "properties": {"xs": {**INTS, "uniqueItems": True}}}, '{"xs": [2, 2]}'),
+]
+
+
+@pytest.mark.parametrize(
+    "keyword, schema, breaking", UNENFORCED, ids=[f"{k}-{i}" for i, (k, *_) in enumerate(UNENFORCED)]
+)
+def test_a_schema_keyword_the_grammar_would_not_enforce_is_refused(llm, tokenizer, keyword, schema, breaking):
+    """xgrammar compiles these schemas but lets through an instance that breaks them (checked
+    here with its own matcher, and jsonschema says it breaks them): such a request is refused,
+    naming the keyword, rather than answered with JSON that ignores part of its schema."""
+    import xgrammar
+
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(breaking), schema, format_checker=jsonschema.FormatChecker())
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=llm.engine.spec.vocab_size)
+    matcher = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(schema)))
+    assert matcher.accept_string(breaking)
+    with pytest.raises(ValueError, match=keyword):
+        llm.generate(["x"], SamplingParams(structured_outputs={"json": schema}), use_tqdm=False)
+    assert_blocks_back(llm.engine)
+
+
+def test_a_discriminated_union_is_enforced(llm):
+    """pydantic's tagged union is a oneOf of $refs told apart by a const property: xgrammar's
+    anyOf enforces it exactly, so it is accepted and every output validates."""
+    cat = {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}}}
+    dog = {"type": "object", "properties": {"kind": {"const": "dog"}, "name": {"type": "string", "maxLength": 8}}}
+    schema = {
+        "$defs": {"Cat": {**cat, "required": ["kind", "lives"]}, "Dog": {**dog, "required": ["kind", "name"]}},
+        "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+    }
+    outs = llm.generate(["A pet as JSON:"], _sampled(json=schema), use_tqdm=False)
+    for choice in outs[0].outputs:
+        assert choice.finish_reason == "stop", choice.text
+        jsonschema.validate(json.loads(choice.text), schema)
+
+
 def test_a_refused_prompt_leaves_nothing_of_its_batch_behind(llm):
     """The grammar is compiled as each prompt is added: when the second one is refused, the
     first, already added, must not stay in the engine (running unseen, holding blocks)."""

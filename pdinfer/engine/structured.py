@@ -148,6 +148,9 @@ class GrammarCompiler:
                 schema = value if isinstance(value, str) else json.dumps(value)
                 if kind == "json_object":
                     schema = '{"type": "object"}'
+                unenforced = unenforced_keyword(json.loads(schema))
+                if unenforced is not None:
+                    raise ValueError(f"the grammar engine cannot enforce {unenforced}")
                 # Whitespace between tokens is bounded: a small model can otherwise emit
                 # newlines until max_tokens (vLLM offers the same as disable_any_whitespace).
                 return self._compiler.compile_json_schema(
@@ -160,6 +163,100 @@ class GrammarCompiler:
             return self._compiler.compile_grammar(value)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"invalid structured_outputs.{kind}: {_first_line(exc)}") from None
+
+
+# What xgrammar (0.2) compiles but does not enforce: the output may break it. Such a schema is
+# refused (a 400), never answered with JSON that ignores part of it. Measured against xgrammar's
+# matcher with one breaking instance per keyword (the list in test_structured.py).
+_UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies")
+_UNENFORCED += ("contains", "minContains", "maxContains")
+_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri"}
+_FORMATS |= {"uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
+_FORMATS |= {"password", "binary"}  # hints that any string meets (pydantic's SecretStr, bytes)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMAS = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMAS += ("propertyNames",)
+
+
+def unenforced_keyword(schema) -> str | None:
+    """The first keyword of a JSON schema that the grammar engine would not enforce, with where it
+    is (a JSON pointer); None if it enforces all of it."""
+    return _Walk(schema).first(schema, "")
+
+
+class _Walk:
+    def __init__(self, root):
+        self.root = root
+
+    def first(self, schema, where: str) -> str | None:
+        if not isinstance(schema, dict):
+            return None
+        at = f" (at {where or '/'})"
+        for keyword in _UNENFORCED:
+            if keyword in schema:
+                return f"{keyword!r}{at}"
+        if schema.get("uniqueItems") is True:
+            return f"'uniqueItems'{at}"
+        if len(schema.get("allOf") or ()) > 1:
+            return f"'allOf' of several schemas{at}: merge them into one"
+        if isinstance(schema.get("format"), str) and schema["format"] not in _FORMATS:
+            return f"format {schema['format']!r}{at}"
+        one_of = [self.resolve(s) for s in schema.get("oneOf") or ()]
+        if any(not self.apart(a, b) for i, a in enumerate(one_of) for b in one_of[i + 1 :]):
+            return f"'oneOf' whose schemas may overlap{at}: use anyOf, or tell them apart by type or by a const"
+        subschemas = [(f"{where}/{k}", schema.get(k)) for k in _SCHEMAS]
+        for k in _SCHEMA_LISTS:
+            subschemas += [(f"{where}/{k}/{i}", s) for i, s in enumerate(schema.get(k) or [])]
+        for k in _SCHEMA_MAPS:
+            subschemas += [(f"{where}/{k}/{name}", s) for name, s in (schema.get(k) or {}).items()]
+        return next(filter(None, (self.first(sub, path) for path, sub in subschemas)), None)
+
+    def resolve(self, schema):
+        """A local ``$ref`` (``#/$defs/Cat``) followed; anything else as it is."""
+        ref = schema.get("$ref") if isinstance(schema, dict) else None
+        if not (isinstance(ref, str) and ref.startswith("#/")):
+            return schema
+        node = self.root
+        for part in ref[2:].split("/"):
+            node = node.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(node, dict) else None
+        return node
+
+    def apart(self, a, b) -> bool:
+        """oneOf's schemas are enforced as anyOf's: exact when no value matches two of them. Two
+        schemas are told apart here by their types, their consts, or the const of a property both
+        require (a discriminated union)."""
+        if not (isinstance(a, dict) and isinstance(b, dict)):
+            return False
+        types = [_types(a), _types(b)]
+        if None not in types and not types[0] & types[1]:
+            return True
+        if None not in (_const(a), _const(b)) and _const(a) != _const(b):
+            return True
+        for name in set(a.get("required") or ()) & set(b.get("required") or ()):
+            consts = [_const(self.resolve((s.get("properties") or {}).get(name))) for s in (a, b)]
+            if None not in consts and consts[0] != consts[1]:
+                return True
+        return False
+
+
+def _types(schema: dict) -> set | None:
+    """A schema's types, an integer counted as a number; None if it names none."""
+    named = schema.get("type")
+    if named is None:
+        return None
+    types = set(named if isinstance(named, list) else [named])
+    return types | {"integer"} if "number" in types else types
+
+
+def _const(schema) -> str | None:
+    """A schema's one allowed value (``const``, or an enum of one), as JSON."""
+    if isinstance(schema, dict):
+        if "const" in schema:
+            return json.dumps(schema["const"], sort_keys=True)
+        if isinstance(schema.get("enum"), list) and len(schema["enum"]) == 1:
+            return json.dumps(schema["enum"][0], sort_keys=True)
+    return None
 
 
 def _regex_literal(text: str) -> str:
