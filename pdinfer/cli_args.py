@@ -165,7 +165,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, include_seed: bool = Tru
         "--batch-invariant",
         action="store_true",
         help="a request's logits, tokens and log-probs bit-identical whatever else shares its batch "
-        "and however its prefill is chunked (CPU float32; slower small steps, see docs/performance.md)",
+        "and however its prefill is chunked (CPU float32, or CUDA; slower small steps, see docs/performance.md)",
     )
     g.add_argument(
         "--kv-cache-dtype",
@@ -188,7 +188,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, include_seed: bool = Tru
         help="speculative decoding: 'ngram' drafts from earlier text of each request (prompt lookup) and "
         "verifies the drafts in one decode step; 'mtp' drafts with a DeepSeek-V3 checkpoint's multi-token-"
         "prediction layer. "
-        "CPU only; a prompt engine never drafts (default: off)",
+        "A prompt engine never drafts (default: off)",
     )
     g.add_argument(
         "--num-draft-tokens",
