@@ -16,8 +16,8 @@ def add_generate_parser(subparsers) -> None:
         "chat template as one user message (what an instruct model expects).",
     )
     p.add_argument("prompt", help='the prompt; "-" reads it from stdin')
-    p.add_argument("--max-tokens", type=positive_int, default=128)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="default 128")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0: sampled)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1, help="-1: off")
     p.add_argument(

@@ -1,4 +1,4 @@
-"""The code base stays ruff-clean, ruff-formatted and mypy-clean (STYLE.md: lint, format and a
+"""The code base stays ruff-clean, ruff-formatted and mypy-clean (the team's style guide: lint, format and a
 type checker run in CI, inside the test command)."""
 
 import subprocess
