@@ -74,6 +74,7 @@ def test_json_object_regex_choice_and_grammar(llm):
     "spec, problem",
     [
         ({"json": {"type": "nonsense"}}, "nonsense"),
+        ({"json": {"properties": [1]}}, "properties must be an object"),  # not a crash of our walk
         ({"regex": "(abc"}, "parenthesis"),
         ({"grammar": "root ::= foo"}, "foo"),
         ({"json": {}, "regex": "a"}, "exactly one"),

@@ -206,10 +206,12 @@ class _Walk:
         if any(not self.apart(a, b) for i, a in enumerate(one_of) for b in one_of[i + 1 :]):
             return f"'oneOf' whose schemas may overlap{at}: use anyOf, or tell them apart by type or by a const"
         subschemas = [(f"{where}/{k}", schema.get(k)) for k in _SCHEMAS]
-        for k in _SCHEMA_LISTS:
-            subschemas += [(f"{where}/{k}/{i}", s) for i, s in enumerate(schema.get(k) or [])]
+        for k in _SCHEMA_LISTS:  # a stranger's schema: a list or map may be anything
+            listed = schema.get(k)
+            subschemas += [(f"{where}/{k}/{i}", s) for i, s in enumerate(listed if isinstance(listed, list) else [])]
         for k in _SCHEMA_MAPS:
-            subschemas += [(f"{where}/{k}/{name}", s) for name, s in (schema.get(k) or {}).items()]
+            named = schema.get(k)
+            subschemas += [(f"{where}/{k}/{n}", s) for n, s in (named.items() if isinstance(named, dict) else [])]
         return next(filter(None, (self.first(sub, path) for path, sub in subschemas)), None)
 
     def resolve(self, schema):
