@@ -5,6 +5,7 @@ compare with), for what a `pdinfer serve` subprocess cannot show: a stream cut s
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import httpx
@@ -47,6 +48,35 @@ def test_async_generate_streams_and_abort_frees_blocks(async_engine, greedy_text
         assert time.monotonic() < deadline, async_engine.stats
         time.sleep(0.05)
     assert async_engine.stats.num_requests == 0
+
+
+def test_a_refused_add_cannot_abort_a_later_request_of_its_id(async_engine, greedy_texts):
+    """The router retries a refused reservation under the same request id. A refused add's
+    stream sat in a reference cycle (the engine's answer held the exception, whose traceback
+    held the stream); when the garbage collector ran its ``__del__``, it aborted the live request
+    of that id and unregistered its stream, which then never ended (seen through ``launch``:
+    requests hung until the router's 600 s engine timeout while the engines idled)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+
+    async def run() -> str:
+        for _ in range(3):
+            with pytest.raises(ValueError, match="prompt token ids"):
+                await async_engine.add_request("same-id", [10**9], greedy)
+        stream = await async_engine.add_request("same-id", PROMPTS[1], greedy)
+        gc.collect()  # the refused adds' streams go now, while the live one runs
+
+        async def drain() -> None:
+            async for _ in stream:
+                pass
+
+        await asyncio.wait_for(drain(), timeout=120)  # it hung: no delta ever came
+        return stream.output().outputs[0].text
+
+    gc.disable()  # the refused streams wait for the collect above, as they did between retries
+    try:
+        assert asyncio.run(run()) == greedy_texts[8][1]
+    finally:
+        gc.enable()
 
 
 async def until(condition, timeout_s: float = 300) -> None:

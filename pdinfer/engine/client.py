@@ -84,7 +84,7 @@ class RequestStream:
             shown = self.tracker.take_shown()
             if self.tracker.finished:
                 self.finished = True
-                self.client._forget(self.request_id)
+                self.client._forget(self)
             if shown or self.finished:
                 return shown
         raise StopAsyncIteration
@@ -92,7 +92,7 @@ class RequestStream:
     def _apply(self, item: RequestDelta | BaseException) -> None:
         if isinstance(item, BaseException):
             self.finished = True
-            self.client._forget(self.request_id)
+            self.client._forget(self)
             raise item
         stopped = self.tracker.apply(item)
         if stopped:
@@ -102,10 +102,13 @@ class RequestStream:
         return self.tracker.output()
 
     def close(self) -> None:
+        """Abort the request, if this stream is still the one its id names: a stream closed late
+        (garbage collected) must not abort a newer request that took the id (a router retries a
+        refused reservation under the same id)."""
         if not self.finished:
             self.finished = True
-            self.client._forget(self.request_id)
-            self.client.abort(self.request_id)
+            if self.client._forget(self):
+                self.client.abort(self.request_id)
 
     async def aclose(self) -> None:
         self.close()
@@ -202,8 +205,12 @@ class EngineClient:
         self._num_adding += 1
         try:
             stream.accepted = await self._submit(request_id, text, token_ids, params, extra)
+        except asyncio.CancelledError:
+            stream.close()  # the engine may have taken it: abort it now, while the id is this stream's
+            raise
         except BaseException:
-            self._streams.pop(request_id, None)
+            stream.finished = True  # refused: nothing to abort, now or when it is collected
+            self._forget(stream)
             raise
         finally:
             self._num_adding -= 1
@@ -262,5 +269,9 @@ class EngineClient:
             except RuntimeError:  # its event loop is closed: nobody is listening any more
                 pass
 
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def _forget(self, stream: RequestStream) -> bool:
+        """Unregister ``stream``; False if its id already names another stream (or none)."""
+        if self._streams.get(stream.request_id) is not stream:
+            return False
+        del self._streams[stream.request_id]
+        return True
