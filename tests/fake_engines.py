@@ -10,6 +10,8 @@ import threading
 
 from servers import free_port
 
+from pdinfer.core.scheduler import PREEMPTED_ERROR
+
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -107,8 +109,9 @@ class FakeCE(FakeEngine):
     address of its own that accepts connections and never says a word (the PE's handshake
     takes its timeout, 10 s), and nothing more; "finish": that reservation and, once the PE
     connected to that address (so it holds the request), the request finished (one token) and
-    the end of the stream. ``closed`` counts the /pd/decode streams that the router closed
-    before their end."""
+    the end of the stream; "preempt": as "finish", but the one token (86) is followed by the end
+    of the request with the error of a CE that ran out of blocks, and the next /pd/decode is
+    "finish". ``closed`` counts the /pd/decode streams that the router closed before their end."""
 
     role = "completion"
 
@@ -136,10 +139,18 @@ class FakeCE(FakeEngine):
                 "num_prompt_tokens": len(body["prompt_token_ids"]),
             }
             writer.write(_chunk({"reservation": reservation}))
-        if self.mode == "finish":
+        if self.mode in ("finish", "preempt"):
             await writer.drain()
             conn, _ = await asyncio.wait_for(self.loop.sock_accept(kv), 30)
             self.sockets.append(conn)
+            if self.mode == "preempt":
+                self.mode = "finish"
+                writer.write(_chunk({"outputs": [{"index": 0, "text": " y", "token_ids": [86]}]}))
+                await writer.drain()
+                await asyncio.sleep(0.2)  # a stream's first token reaches its client first
+                writer.write(_chunk({"outputs": [], "finished": True, "error": PREEMPTED_ERROR}) + b"0\r\n\r\n")
+                await writer.drain()
+                return False
             output = {"index": 0, "text": " x", "token_ids": [87], "finish_reason": "length"}
             writer.write(_chunk({"outputs": [output], "finished": True}) + b"0\r\n\r\n")
             await writer.drain()

@@ -5,6 +5,7 @@ bad requests, a CE killed under load, and the same CE restarted on its port."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -636,6 +637,27 @@ def test_a_request_the_ce_finished_before_the_pe_answered_is_not_aborted_on_the_
     assert resp.status_code == 200 and resp.json()["choices"][0]["token_ids"] == [87], resp.text
     time.sleep(3)  # the PE checks its connection every 0.5 s
     assert pe.kv()["num_aborted"] == aborted
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_the_ce_preempted_is_retried_unless_its_client_saw_a_token(fake_ce_router, stream):
+    """A CE out of blocks stops a request it already generated a token for
+    (stop_preempted_request). A whole answer is held until its attempt finished, so the router
+    tries again (back-pressure: not counted, and this router allows one attempt) and answers
+    with the second attempt's token alone; under load through launch half the requests got this
+    error before. A stream has shown the token: it ends with the error."""
+    router, ce, _ = fake_ce_router
+    ce.mode = "preempt"  # token 86, then preempted; the next /pd/decode: token 87
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2, "return_token_ids": True, "stream": stream}
+    if not stream:
+        resp = httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["token_ids"] == [87], resp.text
+        return
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["token_ids"] == [86]
+    assert "preempted" in json.loads(events[1])["error"]["message"], events
+    assert ce.mode == "finish"  # no second attempt took it
 
 
 def test_a_worker_whose_router_died_while_it_started_exits(tmp_path):

@@ -288,7 +288,7 @@ class Router:
         # would fill a PE's waiting queue by itself and be refused as overload.
         gate = asyncio.Semaphore(MAX_PROMPTS_IN_FLIGHT)
         for i, prompt in enumerate(prompts):
-            job = PDJob(i, f"{gen.request_id}-{i}", list(prompt["prompt_token_ids"]), sampling, gen.queue)
+            job = PDJob(i, f"{gen.request_id}-{i}", list(prompt["prompt_token_ids"]), sampling, gen.queue, gen.whole)
             gen.prompts.append(_Prompt(job, prompt.get("prompt")))
             gen.tasks.append(asyncio.ensure_future(self._drive(job, gate)))
         return gen

@@ -83,7 +83,7 @@ def add_router_parser(subparsers) -> None:
         "--max-attempts",
         type=positive_int,
         default=3,
-        help="attempts per request on different engines, before any token streamed",
+        help="attempts per request on different engines, before its client saw a token (a whole answer: before it finished)",
     )
     p.add_argument(
         "--queue-timeout-s",

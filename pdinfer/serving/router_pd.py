@@ -3,8 +3,10 @@
 An attempt: reserve on the CE the decode balancer ranks first (503 no room: the next one; all
 full: wait and try again, up to ``queue_timeout_s``), pick a PE, POST the prefill while reading
 the CE's stream, relay the CE's deltas. A PE whose waiting queue is full (503 no room) is
-back-pressure too: a new attempt after a pause, not counted, within the same ``queue_timeout_s``. Until a token went to the client, a failure of either
-engine (connection refused or broken, 5xx, a CE stream that ends early, a request the CE
+back-pressure too: a new attempt after a pause, not counted, within the same ``queue_timeout_s``;
+so is a CE that ran out of blocks and stopped the request (preempted). Until a token went to
+the client (a whole, non-streamed answer is held until its attempt finished), a failure of
+either engine (connection refused or broken, 5xx, a CE stream that ends early, a request the CE
 finished with an error) makes a new attempt elsewhere: the failed CE stream and the PE's
 connection are closed, which makes the CE abort the reservation and the PE its prefill (so
 does a client that leaves). Once a token went out, a failure ends the request with an error
@@ -22,6 +24,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from pdinfer.core.scheduler import PREEMPTED_ERROR
 from pdinfer.outputs import PromptLogprobs
 from pdinfer.serving import upstream
 from pdinfer.serving.load_balancer import Assignment, DecodeBalancer, Engine, PrefillBalancer
@@ -32,6 +35,9 @@ from pdinfer.serving.router_pool import EnginePool, RouterMetrics
 logger = logging.getLogger("pdinfer")
 
 _NO_ROOM_BACKOFF_S = 0.05
+# A full PE (503 no_room), or a CE that ran out of blocks and stopped the request before the
+# client saw a token: wait for room within --queue-timeout-s, without counting an attempt.
+_BACK_PRESSURE = ("prefill_full", "decode_preempted")
 _BACKGROUND_GRACE_S = 2.0  # at shutdown, how long PE answers still to come may take
 
 
@@ -53,21 +59,38 @@ class PDJob:
     token_ids: list[int]
     sampling: dict
     queue: asyncio.Queue
+    # A whole (non-streamed) answer: outputs wait here until the attempt finished, so an attempt
+    # that fails after its first tokens (a CE preempted or died) can be retried unseen.
+    whole: bool = False
     arrival_s: float = field(default_factory=time.monotonic)
-    streamed: bool = False
+    streamed: bool = False  # the client has seen tokens: no other attempt may start
     attempt: int = 0
     first_token_s: float | None = None
-    num_tokens: int = 0  # the longest choice so far
+    num_tokens: int = 0  # the longest choice so far, in this attempt
     prompt_logprobs: PromptLogprobs | None = None  # from the PE, before any output is delivered
+    held: list[list[OutputDelta]] = field(default_factory=list)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.sampling.get("prompt_logprobs") is not None
 
     def deliver(self, outputs: list[OutputDelta]) -> None:
+        if self.whole:
+            self.held.append(outputs)
+            return
         self.queue.put_nowait((self.index, "outputs", outputs))
         if any(d.token_ids for d in outputs):
             self.streamed = True
+
+    def start_attempt(self) -> None:
+        self.attempt += 1
+        self.held, self.num_tokens, self.first_token_s = [], 0, None
+
+    def finish(self) -> None:
+        for outputs in self.held:
+            self.queue.put_nowait((self.index, "outputs", outputs))
+        self.held = []
+        self.queue.put_nowait((self.index, "done", None))
 
 
 def _error(resp: upstream.UpstreamResponse, body: bytes) -> tuple[str, str | None, str | None]:
@@ -121,15 +144,15 @@ class PDDriver:
             failures, job.attempt = 0, 0
             full_until = time.monotonic() + self.queue_timeout_s
             while failures < self.max_attempts:
-                job.attempt += 1
+                job.start_attempt()
                 try:
                     await self._attempt(job, excluded)
                     self._observe_finished(job)
-                    job.queue.put_nowait((job.index, "done", None))
+                    job.finish()
                     return
                 except Retry as exc:
-                    if exc.reason == "prefill_full" and time.monotonic() < full_until:
-                        await asyncio.sleep(_NO_ROOM_BACKOFF_S)  # back-pressure, as a full CE's
+                    if exc.reason in _BACK_PRESSURE and time.monotonic() < full_until:
+                        await asyncio.sleep(_NO_ROOM_BACKOFF_S)  # as a full CE's: no attempt counted
                         continue
                     last, failures = exc, failures + 1
                     if exc.exclude:
@@ -320,7 +343,7 @@ class PDDriver:
                     if self._on_event(job, decode, event):
                         return
                 continue
-            if kind == "prefilled" or (kind == "prefill_failed" and job.streamed):
+            if kind == "prefilled" or (kind == "prefill_failed" and job.num_tokens):
                 continue  # once tokens flow, the CE holds the K/V: the PE's answer is moot
             if kind == "prefill_failed":
                 raise item
@@ -346,8 +369,9 @@ class PDDriver:
         outputs = event.outputs
         num_new = sum(len(d.token_ids) for d in outputs)
         error = event.error if event.finished else None
-        if error and not job.streamed:
-            raise Retry("decode_error", f"the completion engine ended the request: {error}")
+        if error and not job.streamed:  # the client saw nothing: another attempt may run
+            reason = "decode_preempted" if error == PREEMPTED_ERROR else "decode_error"
+            raise Retry(reason, f"the completion engine ended the request: {error}")
         decode.add_tokens(num_new)
         if num_new:
             if job.first_token_s is None:
