@@ -68,7 +68,7 @@ class PDJob:
     first_token_s: float | None = None
     num_tokens: int = 0  # the longest choice so far, in this attempt
     prompt_logprobs: PromptLogprobs | None = None  # from the PE, before any output is delivered
-    held: list[list[OutputDelta]] = field(default_factory=list)
+    unsent: list[list[OutputDelta]] = field(default_factory=list)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -76,7 +76,7 @@ class PDJob:
 
     def deliver(self, outputs: list[OutputDelta]) -> None:
         if self.whole:
-            self.held.append(outputs)
+            self.unsent.append(outputs)
             return
         self.queue.put_nowait((self.index, "outputs", outputs))
         if any(d.token_ids for d in outputs):
@@ -84,12 +84,12 @@ class PDJob:
 
     def start_attempt(self) -> None:
         self.attempt += 1
-        self.held, self.num_tokens, self.first_token_s = [], 0, None
+        self.unsent, self.num_tokens, self.first_token_s = [], 0, None
 
     def finish(self) -> None:
-        for outputs in self.held:
+        for outputs in self.unsent:
             self.queue.put_nowait((self.index, "outputs", outputs))
-        self.held = []
+        self.unsent = []
         self.queue.put_nowait((self.index, "done", None))
 
 
