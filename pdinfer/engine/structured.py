@@ -168,15 +168,19 @@ class GrammarCompiler:
 # What xgrammar (0.2) compiles but does not enforce: the output may break it. Such a schema is
 # refused (a 400), never answered with JSON that ignores part of it. Measured against xgrammar's
 # matcher with one breaking instance per keyword (the list in test_structured.py).
-_UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies")
-_UNENFORCED += ("contains", "minContains", "maxContains")
+_UNENFORCED = (
+    *("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies"),
+    *("contains", "minContains", "maxContains"),
+)
 _FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri"}
 _FORMATS |= {"uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
 _FORMATS |= {"password", "binary"}  # hints that any string meets (pydantic's SecretStr, bytes)
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMAS = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "unevaluatedItems")
-_SCHEMAS += ("propertyNames",)
+_SCHEMAS = (
+    *("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "unevaluatedItems"),
+    "propertyNames",
+)
 
 
 def unenforced_keyword(schema) -> str | None:
@@ -230,8 +234,8 @@ class _Walk:
         require (a discriminated union)."""
         if not (isinstance(a, dict) and isinstance(b, dict)):
             return False
-        types = [_types(a), _types(b)]
-        if None not in types and not types[0] & types[1]:
+        types_a, types_b = _types(a), _types(b)
+        if types_a is not None and types_b is not None and not types_a & types_b:
             return True
         if None not in (_const(a), _const(b)) and _const(a) != _const(b):
             return True
