@@ -228,6 +228,14 @@ def set_parent_death_signal(sig: int) -> None:
         pass
 
 
+def die_with_parent(sig: int, parent_pid: int | None) -> bool:
+    """``set_parent_death_signal(sig)``, then whether ``parent_pid`` is still this process's
+    parent: one that died before the signal was set never sends it (the child was handed to
+    another process), so a False caller must exit at once."""
+    set_parent_death_signal(sig)
+    return os.getppid() == parent_pid
+
+
 def child_environ(extra: dict[str, str] | None = None) -> dict[str, str]:
     """``os.environ`` for a child process, without the role defaults pdinfer exported itself.
 

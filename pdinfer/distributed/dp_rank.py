@@ -60,13 +60,6 @@ HEARTBEAT_INTERVAL_S = 0.5
 PEER_WAIT_MS = 2.0  # the longest nap while a rank waits for another engine (K/V, an ack)
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """A rank must not outlive its launcher (no orphans holding memory and ports)."""
-    pdinfer_env.set_parent_death_signal(signal.SIGKILL)  # not Linux: the front-silence timeout applies
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 class FrontChannel:
     """This rank's DEALER socket to the front's ROUTER."""
 
@@ -263,7 +256,10 @@ def _is_peer_failure(exc: BaseException) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = msgspec.json.decode(argv[0], type=RankConfig)
-    die_with_parent(cfg.parent_pid)
+    # A rank must not outlive its launcher (no orphans holding memory and ports); not Linux: the
+    # front-silence timeout applies.
+    if not pdinfer_env.die_with_parent(signal.SIGKILL, cfg.parent_pid):
+        return 1
     for sig in (signal.SIGINT, signal.SIGTERM):  # they reach the front too, which stops us in order
         signal.signal(sig, signal.SIG_IGN)
     import pdinfer  # noqa: F401  (sets up the pdinfer logger)

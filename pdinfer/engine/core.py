@@ -233,8 +233,7 @@ def main() -> int:
     from pdinfer import env
 
     cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=CoreConfig)
-    env.set_parent_death_signal(signal.SIGKILL)
-    if os.getppid() != cfg.parent_pid:  # the parent died before prctl took effect
+    if not env.die_with_parent(signal.SIGKILL, cfg.parent_pid):
         return 1
     # Ctrl-C, and a SIGTERM sent to the whole process group or cgroup (launch, systemd), reach
     # the server too, which stops its API servers and then us: a core that died first would fail

@@ -12,7 +12,6 @@ then spread over N interpreters while the core's step loop keeps one of its own.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -100,8 +99,7 @@ def stop_api_servers(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> 
 
 def main() -> int:
     cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=APIServerConfig)
-    env.set_parent_death_signal(signal.SIGTERM)
-    if os.getppid() != cfg.parent_pid:
+    if not env.die_with_parent(signal.SIGTERM, cfg.parent_pid):
         return 1
     import pdinfer  # noqa: F401  (sets up the pdinfer logger)
     from pdinfer.engine.mp_client import MPEngineClient

@@ -119,12 +119,9 @@ def run_router(args: argparse.Namespace) -> int:
     from pdinfer.serving.api_process import listening_socket, serve_on, stop_api_servers
     from pdinfer.serving.router import Router, RouterConfig, build_router_app
 
-    if args.listen_fd is not None:
-        # A worker ends with the router that started it, also one that died while it started
-        # (before the death signal was set: then its parent is already another process).
-        env.set_parent_death_signal(signal.SIGTERM)
-        if os.getppid() != args.parent_pid:
-            return 0
+    # A worker ends with the router that started it, also one that died while it started.
+    if args.listen_fd is not None and not env.die_with_parent(signal.SIGTERM, args.parent_pid):
+        return 0
     try:
         config = RouterConfig(
             prefill_urls=[u.rstrip("/") for u in args.prefill],

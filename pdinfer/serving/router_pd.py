@@ -141,7 +141,7 @@ class PDDriver:
         """Run ``job`` to its end; every outcome, failures included, lands on its queue."""
         try:
             excluded: set[str] = set()
-            failures, job.attempt = 0, 0
+            failures = 0
             full_until = time.monotonic() + self.queue_timeout_s
             while failures < self.max_attempts:
                 job.start_attempt()
