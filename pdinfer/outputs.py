@@ -62,6 +62,27 @@ class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None  # the stop token id that ended it
 
 
+class Resume(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One output to continue rather than start: request migration. A request that left an
+    engine (its CE ran out of blocks, was drained or died) is added again with the prompt and
+    this, what its client already has of output ``index``: the engine computes the K/V of
+    prompt + ``token_ids`` (a prefill, which the prefix cache and the KV store shorten) and
+    samples the next token where the first engine would have (same seed, same position), so
+    greedy and seeded output equal an unmigrated run. ``num_shown_chars``: how much of the
+    output's text the client has seen (a stop string's held-back tail is not), so the text
+    goes on from there."""
+
+    token_ids: list[int]
+    index: int = 0
+    num_shown_chars: int = 0
+
+
+# Why an engine ended a request that another engine can continue (``RequestDelta.migrate``):
+MIGRATE_PREEMPTED = "preempted"  # a CE ran out of KV blocks (it cannot recompute a prompt)
+MIGRATE_DRAIN = "drain"  # the engine is drained (``POST /admin/drain``, SIGTERM)
+MIGRATE_REASONS = (MIGRATE_PREEMPTED, MIGRATE_DRAIN)
+
+
 class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request's news from one engine step."""
 
@@ -71,6 +92,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None  # why it ended without a normal completion
     num_cached_tokens: int = 0  # prefix-cache hit of its prefill
     prompt_logprobs: PromptLogprobs | None = None  # sent once, when the whole prompt is computed
+    migrate: str | None = None  # ended to move elsewhere (``MIGRATE_REASONS``): continue it, not an error
 
 
 @dataclass

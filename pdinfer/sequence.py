@@ -71,6 +71,7 @@ class Sequence:
         # (zero-overhead scheduling). The sequence is num_tokens long, token_ids lags behind.
         self.num_pending_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit of the last prefill, for metrics and tests
+        self.num_resumed_tokens = 0  # outputs it came with (a migrated request, ``Resume``)
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of this sequence's full blocks
         self.state_id = -1  # slot of per-sequence model state, for models that have one
@@ -111,6 +112,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_handoff_tokens(self) -> int:
+        """The tokens whose K/V a P/D hand-off moves: the prompt, and the outputs a migrated
+        request came with."""
+        return self.num_prompt_tokens + self.num_resumed_tokens
 
     @property
     def last_token_id(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import faulthandler
 import functools
 import gc
 import json
@@ -21,6 +22,30 @@ os.environ.setdefault("PDINFER_LOG_LEVEL", "WARNING")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(os.cpu_count() or 1)
+
+
+# --- a backstop for a hung test ----------------------------------------------------------------------
+# pytest-timeout's default method raises SIGALRM in the main thread's Python code. A test blocked in
+# C (a ZeroMQ send, a join) while the signal lands on one of the engine's threads never sees it, and
+# the suite hangs. This watchdog is a C thread: past pytest-timeout's limit plus a margin it prints
+# every thread's stack to the real stderr and ends the run with an error, so the suite always ends.
+_BACKSTOP_MARGIN_S = 120.0
+_stderr_fd = -1
+
+
+def pytest_configure(config):
+    global _stderr_fd
+    _stderr_fd = os.dup(2)  # the terminal's stderr, not the capture file that os._exit would drop
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    limit_s = float(item.config.getoption("timeout", None) or 900)
+    faulthandler.dump_traceback_later(limit_s + _BACKSTOP_MARGIN_S, exit=True, file=_stderr_fd)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _malloc_trim():

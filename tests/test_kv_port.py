@@ -59,18 +59,26 @@ def secret_ce():
 
 class Stranger:
     """A raw ZeroMQ peer of the KV port: sends whatever it likes, reads what comes back.
-    ``key``: the connect key a CE with a secret requires (else no message of ours arrives)."""
+    ``key``: the connect key a CE with a secret requires (else no message of ours arrives).
+    A send has a timeout: a DEALER whose handshake the CE refused has no pipe left, and ZeroMQ
+    would block its next send forever (how the suite hung on a fast machine)."""
 
-    def __init__(self, address: str, key: bytes | None = None):
+    def __init__(self, address: str, key: bytes | None = None, send_timeout_s: float = 5.0):
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
         if key is not None:
             self.sock.setsockopt(zmq.PLAIN_USERNAME, CONNECT_USER)
             self.sock.setsockopt(zmq.PLAIN_PASSWORD, key)
         self.sock.connect(address)
 
-    def send(self, *frames: bytes) -> None:
-        self.sock.send_multipart(list(frames))
+    def send(self, *frames: bytes) -> bool:
+        """Queue the frames; False when ZeroMQ would not take them in time (no live pipe)."""
+        try:
+            self.sock.send_multipart(list(frames))
+        except zmq.Again:
+            return False
+        return True
 
     def recv(self, timeout_s: float = 20.0) -> list[bytes] | None:
         if self.sock.poll(int(timeout_s * 1000)):
@@ -312,7 +320,7 @@ def test_a_peer_without_the_key_is_dropped_before_any_message(secret_ce, warning
         for peer in (keyless, wrong):
             peer.send(encode(hello(layout), SECRET.encode()))
             assert peer.recv(timeout_s=3) is None
-        keyed.send(encode(hello(layout), SECRET.encode()))
+        assert keyed.send(encode(hello(layout), SECRET.encode()))
         assert decode(keyed.recv()[0], SECRET.encode()).ok
     finally:
         for peer in (keyless, wrong, keyed):

@@ -60,6 +60,7 @@ from pdinfer.engine.client import EngineClient, EngineDeadError, EngineLimits, E
 from pdinfer.engine.core_messages import EngineStats
 from pdinfer.engine.detokenizer import Detokenizer
 from pdinfer.engine.output_tracker import OutputTracker
+from pdinfer.outputs import Resume
 from pdinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("pdinfer")
@@ -162,6 +163,7 @@ class DPFront(EngineClient):
                 "num_prefix_query_tokens",
                 "num_preemptions",
                 "num_aborted",
+                "num_migrated",
                 "num_handoffs",
                 "handoff_bytes",
                 "handoff_seconds",
@@ -245,6 +247,7 @@ class DPFront(EngineClient):
         raw: bool = False,
         reservation: dict[str, Any] | None = None,
         on_answer: Callable[[Any], None] | None = None,
+        resume: Resume | None = None,
     ) -> None:
         """Add a request from any thread; its cumulative outputs (or an exception) go to
         ``sink``, called from the front's I/O thread (it must not block); ``raw``: the engine's
@@ -261,10 +264,12 @@ class DPFront(EngineClient):
         values = params_to_dict(params)
         values["seed"] = params.resolved_seed()
         tracker = None if raw else OutputTracker(request_id, text, token_ids, params, self._front_detokenizer)
+        if tracker is not None and resume is not None:
+            tracker.resume(resume)
         tracked = TrackedRequest(
             request_id, text, token_ids, values, sink, tracker, final_only, dp_rank, time.monotonic(), reservation
         )
-        tracked.on_answer = on_answer
+        tracked.on_answer, tracked.resume = on_answer, resume
         with self.lock:
             sup = self._supervisor  # start() sets it with _thread
             if self.error is not None or self._stopped or self._thread is None or sup is None:
@@ -295,13 +300,21 @@ class DPFront(EngineClient):
             loop.call_soon_threadsafe(_settle, answer, value)
 
         dp_rank = extra.pop("dp_rank", None)
-        reservation = extra.pop("reservation", None)
+        reservation, resume = extra.pop("reservation", None), extra.pop("resume", None)
         if extra:
             raise ValueError(f"unknown request options: {sorted(extra)}")
         fields = None if reservation is None else msgspec.to_builtins(reservation)
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
         self.submit(
-            request_id, prompt, params, sink, dp_rank=dp_rank, raw=True, reservation=fields, on_answer=on_answer
+            request_id,
+            prompt,
+            params,
+            sink,
+            dp_rank=dp_rank,
+            raw=True,
+            reservation=fields,
+            on_answer=on_answer,
+            resume=resume,
         )
         try:
             value = await answer  # the rank's: a CE's reservation names its own K/V port

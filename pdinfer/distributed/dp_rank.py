@@ -152,7 +152,8 @@ class RankLoop:
         prompt = {"prompt": message.prompt, "prompt_token_ids": message.prompt_token_ids}
         try:
             reservation = None if message.reservation is None else msgspec.convert(message.reservation, Reservation)
-            answer = self.engine.admit(request_id, prompt, SamplingParams(**message.params), reservation=reservation)
+            params = SamplingParams(**message.params)
+            answer = self.engine.admit(request_id, prompt, params, reservation=reservation, resume=message.resume)
         except Exception as exc:  # the front validated; a refusal is reported, and we keep serving
             kind = refusal_kind(exc)
             if kind is None:
@@ -191,6 +192,7 @@ class RankLoop:
             num_expert_rearrangements=eplb.num_rearrangements if eplb else 0,
             num_expert_slots_received=eplb.num_slots_received if eplb else 0,
             num_aborted=self.engine.num_aborted,
+            num_migrated=self.engine.num_migrated,
             num_handoffs=handoffs.get("count", 0),
             handoff_bytes=handoffs.get("bytes", 0),
             handoff_seconds=handoffs.get("seconds", 0.0),

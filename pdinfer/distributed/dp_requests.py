@@ -37,7 +37,9 @@ class RequestBook:
         tracked.rank = rank
         tracked.num_attempts += 1
         prompt, token_ids = tracked.prompt, tracked.prompt_token_ids
-        self.send(rank, AddRequest(tracked.request_id, prompt, token_ids, tracked.params, tracked.reservation))
+        self.send(
+            rank, AddRequest(tracked.request_id, prompt, token_ids, tracked.params, tracked.reservation, tracked.resume)
+        )
 
     def on_answer(self, message: AddAnswer) -> None:
         """The rank's answer to an add. A reservation (a CE's) names this rank's K/V port, so

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from pdinfer.config import EngineArgs
-from pdinfer.outputs import RequestDelta
+from pdinfer.outputs import RequestDelta, Resume
 from pdinfer.sampling_params import SamplingParams
 
 
@@ -30,6 +30,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: dict[str, Any]  # SamplingParams fields
     reservation: dict[str, Any] | None = None  # a PE rank's: where the CE wants the K/V
+    resume: Resume | None = None  # a migrated request: the output it continues
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -68,6 +69,7 @@ class RankStats(msgspec.Struct):
     num_expert_rearrangements: int = 0  # EPLB (MoE models with expert parallelism or replicas)
     num_expert_slots_received: int = 0  # expert weights that came from another rank
     num_aborted: int = 0
+    num_migrated: int = 0
     num_handoffs: int = 0  # a PE rank's confirmed K/V hand-offs (``EngineStats``' fields)
     handoff_bytes: int = 0
     handoff_seconds: float = 0.0

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdinfer.engine.output_tracker import OutputTracker
+from pdinfer.outputs import Resume
 
 
 @dataclass
@@ -25,6 +26,7 @@ class TrackedRequest:
     dp_rank: int | None  # placement hint
     arrival_s: float
     reservation: dict[str, Any] | None = None  # a PE's request: the CE's reservation, as fields
+    resume: Resume | None = None  # a migrated request: the output it continues
     # called once with the engine's answer to the add (None, a reservation's fields, or an
     # exception); None: nobody waits for it (a refusal then ends the request like an error)
     on_answer: Callable[[Any], None] | None = None

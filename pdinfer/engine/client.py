@@ -200,6 +200,8 @@ class EngineClient:
         tracker = OutputTracker(
             request_id, text, token_ids, params, self.detokenizer, show_token_ids, apply_stops=apply_stops
         )
+        if extra.get("resume") is not None:  # a migrated request: its output goes on
+            tracker.resume(extra["resume"])
         stream = RequestStream(self, tracker)
         self._streams[request_id] = stream  # before the add: its first delta may follow the answer
         self._num_adding += 1

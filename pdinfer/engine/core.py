@@ -143,7 +143,9 @@ class EngineCore:
         prompt = {"prompt": message.prompt, "prompt_token_ids": message.prompt_token_ids}
         try:
             params = SamplingParams(**message.params)
-            answer = self.engine.admit(message.request_id, prompt, params, reservation=message.reservation)
+            answer = self.engine.admit(
+                message.request_id, prompt, params, reservation=message.reservation, resume=message.resume
+            )
         except Exception as exc:
             kind = refusal_kind(exc)
             if kind is None:

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from pdinfer.engine.pd_common import Reservation
-from pdinfer.outputs import RequestDelta
+from pdinfer.outputs import RequestDelta, Resume
 
 
 class EngineStats(msgspec.Struct, frozen=True):
@@ -33,6 +33,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_prefix_query_tokens: int = 0
     num_preemptions: int = 0
     num_aborted: int = 0
+    num_migrated: int = 0
     num_steps: int = 0
     # PE only: confirmed K/V hand-offs (``PrefillRole.handoff_stats``), cumulative
     num_handoffs: int = 0
@@ -71,6 +72,7 @@ def take_stats(engine, num_steps: int) -> EngineStats:
         num_prefix_query_tokens=blocks.num_prefix_queries,
         num_preemptions=scheduler.num_preemptions,
         num_aborted=engine.num_aborted,
+        num_migrated=engine.num_migrated,
         num_steps=num_steps,
         num_handoffs=handoffs.get("count", 0),
         handoff_bytes=handoffs.get("bytes", 0),
@@ -92,6 +94,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: dict[str, Any]  # SamplingParams fields, validated again by the core
     reservation: Reservation | None = None  # a PE's: where the CE wants the K/V
+    resume: Resume | None = None  # a migrated request: the output it continues
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -41,8 +41,8 @@ from pdinfer.engine.detokenizer import Detokenizer
 from pdinfer.engine.kv_store_agent import KVStoreAgent
 from pdinfer.engine.output_processor import OutputProcessor
 from pdinfer.engine.output_tracker import OutputTracker
-from pdinfer.engine.pd_common import Reservation
-from pdinfer.engine.request import RequestState
+from pdinfer.engine.pd_common import NoRoomError, Reservation
+from pdinfer.engine.request import RequestState, fork_seed
 from pdinfer.engine.roles import Role, make_role
 from pdinfer.engine.speculative import build_draft_pool, decode_graph_rows, mtp_cache_layers
 from pdinfer.engine.step_builder import StepBuilder
@@ -52,7 +52,7 @@ from pdinfer.models.loader import load_tokenizer, resolve_model
 from pdinfer.models.spec import ModelSpec
 from pdinfer.moe.balancer import ExpertLoadBalancer
 from pdinfer.moe.sharding import expert_group_of
-from pdinfer.outputs import RequestDelta, RequestOutput
+from pdinfer.outputs import MIGRATE_DRAIN, RequestDelta, RequestOutput, Resume
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence, SequenceStatus
 from pdinfer.worker.executor import StepExecutor, StepFuture
@@ -111,6 +111,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self)
         self.requests: dict[str, RequestState] = {}
         self.num_aborted = 0  # live requests aborted (client disconnects included), cumulative
+        self.num_migrated = 0  # requests that ended here to be continued elsewhere, cumulative
+        self.draining = False  # ``drain()``: new requests are refused
         self.copy_state: dict[int, tuple[int, torch.Tensor]] | None = {}
         self.copy_state_event: Future | None = None
         self._inflight: InFlight | None = None
@@ -260,14 +262,22 @@ class LLMEngine:
         arrival_time: float | None = None,
         enqueue: bool = True,
         reservation: Reservation | None = None,
+        resume: Resume | None = None,
     ) -> Sequence:
         """Create a request's first sequence; ``enqueue=False`` leaves it out of the scheduler
         (a CE builds it, reserves blocks and enqueues it once its K/V has arrived). A PE takes
-        only requests with the ``reservation`` a CE made for them."""
-        return self.role.add_request(request_id, prompt, sampling_params, arrival_time, enqueue, reservation)
+        only requests with the ``reservation`` a CE made for them. ``resume``: continue an
+        output another engine started (request migration; see ``outputs.Resume``)."""
+        return self.role.add_request(request_id, prompt, sampling_params, arrival_time, enqueue, reservation, resume)
 
     def build_request(
-        self, request_id: str, prompt, sampling_params: SamplingParams | None, arrival_time: float | None, enqueue: bool
+        self,
+        request_id: str,
+        prompt,
+        sampling_params: SamplingParams | None,
+        arrival_time: float | None,
+        enqueue: bool,
+        resume: Resume | None = None,
     ) -> Sequence:
         """Validate, build and admit a request's first sequence (every role's first part)."""
         params = sampling_params or SamplingParams()
@@ -289,6 +299,8 @@ class LLMEngine:
             eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
         )
         seq.grammar = grammar
+        if resume is not None:
+            _resume(seq, resume, self._check_token_ids(resume.token_ids))
         self.scheduler.admit(seq)  # refuses what the KV cache can never hold (before anything is kept)
         state = RequestState(request_id, text, token_ids, params, [seq])
         if arrival_time is not None:
@@ -306,12 +318,34 @@ class LLMEngine:
             self._trackers.pop(request_id, None)
 
     def admit(
-        self, request_id: str, prompt, sampling_params: SamplingParams, reservation: Reservation | None = None
+        self,
+        request_id: str,
+        prompt,
+        sampling_params: SamplingParams,
+        reservation: Reservation | None = None,
+        resume: Resume | None = None,
     ) -> Reservation | None:
         """A client's request (an engine core's ``AddRequest``); returns what the client is
         answered: a CE's reservation (``CompletionRole.reserve``), else None. A PE takes the
-        ``reservation`` a CE made."""
-        return self.role.admit(request_id, prompt, sampling_params, reservation)
+        ``reservation`` a CE made. A draining engine refuses it (``NoRoomError``)."""
+        if self.draining:
+            raise NoRoomError("this engine is draining: it takes no new requests")
+        return self.role.admit(request_id, prompt, sampling_params, reservation, resume)
+
+    def drain(self) -> int:
+        """``POST /admin/drain``: take no new request. A role that migrates (a CE) ends every
+        live request as migrated (``RequestDelta.migrate``), so that its client (the router)
+        continues it on another engine from the tokens it has; other roles finish what they
+        hold (a PE's prefills are short, and a NORMAL engine's client cannot resume). Returns
+        how many requests were sent away."""
+        self.draining = True
+        if not self.role.migrates_on_drain:
+            return 0
+        live = list(self.requests.values())
+        for state in live:
+            state.migrate = MIGRATE_DRAIN
+            self.abort_request(state.request_id)
+        return len(live)
 
     def fork_request(
         self,
@@ -467,7 +501,7 @@ class LLMEngine:
 
     def _track(self, state: RequestState) -> None:
         if self._trackers is not None and state.request_id not in self._trackers:
-            self._trackers[state.request_id] = OutputTracker(
+            tracker = self._trackers[state.request_id] = OutputTracker(
                 state.request_id,
                 state.prompt,
                 state.prompt_token_ids,
@@ -475,6 +509,10 @@ class LLMEngine:
                 self.detokenizer,
                 arrival_time=state.arrival_time,
             )
+            first = state.seqs[0] if state.seqs else None
+            if first is not None and first.num_resumed_tokens:  # outputs hold what it came with
+                resumed = first.output_token_ids[: first.num_resumed_tokens]
+                tracker.resume(Resume(resumed, first.index, num_shown_chars=1 << 62))
 
     @functools.cached_property
     def detokenizer(self) -> Detokenizer:
@@ -611,6 +649,15 @@ class LLMEngine:
         delta = state.make_delta()
         if delta.finished:
             self.requests.pop(state.request_id, None)
+            if delta.migrate is not None:
+                self.num_migrated += 1
+                num_tokens = max((seq.num_output_tokens for seq in state.seqs), default=0)
+                logger.info(
+                    "request %s leaves this engine (%s) after %d output tokens; its client continues it elsewhere",
+                    state.request_id,
+                    delta.migrate,
+                    num_tokens,
+                )
         return delta
 
     def shutdown(self) -> None:
@@ -638,6 +685,30 @@ def _device_and_dtype(args: EngineArgs) -> tuple[torch.device, torch.dtype]:
     if device.type == "cpu" and args.num_threads is None and os.cpu_count():
         torch.set_num_threads(os.cpu_count() or 1)
     return device, dtype
+
+
+def _resume(seq: Sequence, resume: Resume, token_ids: list[int]) -> None:
+    """Make ``seq`` the continuation of an output another engine started: its tokens so far
+    are outputs already reported (never sent again), under the output's own seed and index,
+    and a structured output's matcher has read them."""
+    params = seq.sampling_params
+    if params.n != 1:
+        raise ValueError("a resumed request continues one output: n must be 1")
+    if params.prompt_logprobs is not None:
+        raise ValueError("a resumed request cannot ask for prompt_logprobs (its client has them)")
+    if not 0 <= resume.index < 1 << 16:
+        raise ValueError(f"resume.index must be in [0, 65536), got {resume.index}")
+    if resume.num_shown_chars < 0:
+        raise ValueError("resume.num_shown_chars must be >= 0")
+    if len(token_ids) >= seq.max_tokens:
+        raise ValueError(f"resume has {len(token_ids)} tokens: nothing is left of max_tokens ({seq.max_tokens})")
+    seq.index, seq.seed = resume.index, fork_seed(seq.seed, resume.index)
+    seq.token_ids += token_ids
+    seq.num_resumed_tokens = seq.num_reported_tokens = len(token_ids)
+    if params.logprobs is not None:  # placeholders: the client has these tokens' log-probs
+        seq.output_logprobs = [{} for _ in token_ids]
+    if seq.grammar is not None and not all(seq.grammar.accept(token) for token in token_ids):
+        raise ValueError("the resumed tokens do not match the request's structured output")
 
 
 def _no_bools(token_ids):

@@ -186,11 +186,11 @@ class MPEngineClient(EngineClient):
     async def _submit(self, request_id: str, text, token_ids, params: SamplingParams, extra: dict):
         from pdinfer.distributed.messages import params_to_dict
 
-        reservation = extra.pop("reservation", None)
+        reservation, resume = extra.pop("reservation", None), extra.pop("resume", None)
         if extra:
             raise ValueError(f"unknown request options: {sorted(extra)}")
         try:
-            payload = encode(AddRequest(request_id, text, token_ids, params_to_dict(params), reservation))
+            payload = encode(AddRequest(request_id, text, token_ids, params_to_dict(params), reservation, resume))
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # a stranger's numbers
             raise ValueError(f"the request cannot be encoded: {exc}") from None
         answer = asyncio.get_running_loop().create_future()

@@ -24,6 +24,7 @@ from pdinfer.outputs import (
     RequestDelta,
     RequestMetrics,
     RequestOutput,
+    Resume,
     SeqDelta,
 )
 from pdinfer.sampling_params import SamplingParams
@@ -101,6 +102,7 @@ class OutputTracker:
         self.engine_finished = False
         self._finished = False
         self.error: str | None = None
+        self.migrate: str | None = None  # the engine ended it to be continued elsewhere (why)
         self.num_cached_tokens = 0
         self.prompt_logprobs: PromptLogprobs | None = None  # once the engine computed the prompt
         self._prompt_dicts: list[dict[int, float] | None] | None = None
@@ -146,13 +148,29 @@ class OutputTracker:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             self.engine_finished = True
-            self.error = delta.error
+            self.error, self.migrate = delta.error, delta.migrate
         if self.first_token_time is None and self.num_output_tokens:
             self.first_token_time = time.monotonic()
         self._update_finished()
         if self.finished and self.finished_time is None:
             self.finished_time = time.monotonic()
         return stopped
+
+    def resume(self, resume: Resume) -> None:
+        """Continue an output whose first tokens another engine made (request migration): its
+        text is rebuilt from them, so a stop string that spans the move is still found and
+        the next text is cut where the first engine would have cut it; what the client has
+        seen (``num_shown_chars``) is not shown again, what was held back is."""
+        params = self.params
+        detok = self.detokenizer.start(self.prompt_token_ids, params.skip_special_tokens)
+        choice = self.choices[resume.index] = _Choice(resume.index, detok, params.logprobs is not None)
+        for token in resume.token_ids:
+            choice.text += self.detokenizer.append(detok, token, params.skip_special_tokens)
+        choice.token_ids = list(resume.token_ids)
+        if choice.logprobs is not None:
+            choice.logprobs = [{} for _ in resume.token_ids]  # placeholders: the client has them
+        choice.num_shown_tokens = len(resume.token_ids)
+        choice.num_shown_chars = min(resume.num_shown_chars, len(choice.text))
 
     def take_shown(self) -> list[ChoiceDelta]:
         """What every output gained since the last call that may be shown now (several engine

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pdinfer.outputs import PromptLogprobs, RequestDelta, SeqDelta
+from pdinfer.outputs import MIGRATE_PREEMPTED, PromptLogprobs, RequestDelta, SeqDelta
 from pdinfer.sampling_params import SamplingParams
-from pdinfer.sequence import Sequence
+from pdinfer.sequence import Sequence, SequenceStatus
 
 
 def fork_seed(seed: int, index: int) -> int:
@@ -28,6 +28,7 @@ class RequestState:
     error: str | None = None
     # n, until the request ends before its prompt was computed (then no forks will come)
     expected_seqs: int = 0
+    migrate: str | None = None  # ended to continue elsewhere (``outputs.MIGRATE_REASONS``)
 
     def __post_init__(self) -> None:
         self.expected_seqs = self.expected_seqs or self.sampling_params.n
@@ -62,7 +63,18 @@ class RequestState:
             )
         error = self.error or next((s.error for s in self.seqs if s.error), None)
         cached = self.seqs[0].num_cached_tokens if self.seqs else 0
-        return RequestDelta(self.request_id, seqs, self.finished, error, cached, self._prompt_logprobs())
+        finished = self.finished
+        migrate = self._migrate_reason() if finished else None
+        return RequestDelta(self.request_id, seqs, finished, error, cached, self._prompt_logprobs(), migrate)
+
+    def _migrate_reason(self) -> str | None:
+        """Why another engine should continue this ended request, if it should: it was drained
+        away, or an output was preempted on an engine that cannot recompute (a CE)."""
+        if self.migrate is not None:
+            return self.migrate
+        if any(seq.status is SequenceStatus.FINISHED_PREEMPTED for seq in self.seqs):
+            return MIGRATE_PREEMPTED
+        return None
 
     def _prompt_logprobs(self) -> PromptLogprobs | None:
         """The prompt's log-probs, once: in the delta that carries its first sampled token."""

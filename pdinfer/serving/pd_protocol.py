@@ -1,15 +1,18 @@
 """The P/D wire protocol between the router and the engines (JSON over HTTP).
 
-    router -> CE  POST /pd/decode   {request_id, prompt_token_ids, sampling}
-                  SSE: first event {"reservation": {...}}, then {"outputs": [...deltas], ...}
+    router -> CE  POST /pd/decode   {request_id, prompt_token_ids, sampling, resume?}
+                  SSE: first event {"reservation": {...}}, then {"outputs": [...deltas], ...};
+                  the last has "finished": true, and "migrate": why, when the CE gave the
+                  request up for another engine to continue (out of blocks, drained)
                   503 at once when the CE has no room (back-pressure: pick another CE)
-    router -> PE  POST /pd/prefill  {request_id, prompt_token_ids, sampling, reservation}
+    router -> PE  POST /pd/prefill  {request_id, prompt_token_ids, sampling, resume?, reservation}
                   200 {"first_tokens": [...], "handoff_s": x} once the CE confirmed the K/V
                   (with "prompt_logprobs": ``PromptLogprobs`` as a list when they were asked);
                   4xx/5xx with an OpenAI-shaped error otherwise
 
 Sampling parameters travel as a dict of ``SamplingParams`` fields, rebuilt and validated on
-arrival; the reservation as the CE produced it. The CE's stream events are typed
+arrival; the reservation as the CE produced it. ``resume`` (``outputs.Resume``): a migrated
+request, the output it continues and the tokens its client has of it. The CE's stream events are typed
 (``DecodeEvent``): the router decodes each once with msgspec, straight into what it relays.
 """
 
@@ -22,7 +25,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdinfer.engine.pd_common import Reservation
-from pdinfer.outputs import PromptLogprobs
+from pdinfer.outputs import PromptLogprobs, Resume
 from pdinfer.sampling_params import SamplingParams
 
 _FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
@@ -47,6 +50,16 @@ class DecodeRequest(BaseModel):
     request_id: str = Field(min_length=1, max_length=256)
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: dict[str, Any] = Field(default_factory=dict)
+    resume: dict[str, Any] | None = None
+
+    def parsed_resume(self) -> Resume | None:
+        """The resume, every field of its declared type (ValueError otherwise)."""
+        if self.resume is None:
+            return None
+        try:
+            return msgspec.convert(self.resume, Resume)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid resume: {exc}") from None
 
 
 class PrefillRequest(DecodeRequest):
@@ -83,6 +96,7 @@ class DecodeEvent(msgspec.Struct):
     outputs: list[OutputDelta] = []
     finished: bool = False
     error: str | None = None
+    migrate: str | None = None  # the CE gave the request up for another to continue: why
 
 
 _event_encoder = msgspec.json.Encoder()

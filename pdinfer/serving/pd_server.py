@@ -34,8 +34,15 @@ class PDEndpoints:
         self.metrics = metrics
 
     async def _add(self, body: DecodeRequest, **extra):
-        # before any block is reserved
-        check_prompt_length(len(body.prompt_token_ids), self.engine.limits.prompt_limit, "prompt_token_ids")
+        try:
+            resume = body.parsed_resume()
+        except ValueError as exc:
+            raise bad_request(str(exc), param="resume") from None
+        # before any block is reserved: a migrated request's prefill covers its tokens so far too
+        num_tokens = len(body.prompt_token_ids) + (len(resume.token_ids) if resume is not None else 0)
+        check_prompt_length(num_tokens, self.engine.limits.prompt_limit, "prompt_token_ids")
+        if resume is not None:
+            extra["resume"] = resume
         try:
             params = sampling_from_dict(body.sampling)
             prompt = {"prompt_token_ids": list(body.prompt_token_ids)}
@@ -62,9 +69,10 @@ class PDEndpoints:
                 async for shown in stream:
                     deltas = [OutputDelta(d.index, d.text, d.token_ids, d.finish_reason, d.logprobs) for d in shown]
                     finished = tracker.finished
-                    yield encode_event(DecodeEvent(None, deltas, finished, tracker.error if finished else None))
-            except EngineDeadError as exc:
-                yield encode_event(DecodeEvent(finished=True, error=str(exc)))
+                    error, migrate = (tracker.error, tracker.migrate) if finished else (None, None)
+                    yield encode_event(DecodeEvent(None, deltas, finished, error, migrate))
+            except EngineDeadError as exc:  # the router continues it on another engine
+                yield encode_event(DecodeEvent(finished=True, error=str(exc), migrate="engine_dead"))
             finally:
                 stream.close()  # the router went away: abort (frees reserved or decoding blocks)
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from pdinfer.engine.step_builder import StepBuilder
     from pdinfer.engine_type import EngineType
     from pdinfer.models.spec import ModelSpec
+    from pdinfer.outputs import Resume
     from pdinfer.sampling_params import SamplingParams
     from pdinfer.sequence import Sequence
     from pdinfer.worker.executor import StepExecutor
@@ -75,10 +76,17 @@ class EngineView(Protocol):
         arrival_time: float | None = None,
         enqueue: bool = True,
         reservation: Reservation | None = None,
+        resume: Resume | None = None,
     ) -> Sequence: ...
 
     def build_request(
-        self, request_id: str, prompt, sampling_params: SamplingParams | None, arrival_time: float | None, enqueue: bool
+        self,
+        request_id: str,
+        prompt,
+        sampling_params: SamplingParams | None,
+        arrival_time: float | None,
+        enqueue: bool,
+        resume: Resume | None = None,
     ) -> Sequence:
         """A request's first sequence, admitted; in ``waiting`` if ``enqueue``."""
         ...
@@ -112,6 +120,9 @@ class Role:
     defers_grammar_masks: ClassVar[bool] = True
     loads_kv_store: ClassVar[bool] = True  # prompts take stored prefixes (with prefix caching)
     saves_kv_store: ClassVar[bool] = True  # full blocks go to the KV store
+    # On drain, live requests leave as migrated (their client continues them elsewhere)
+    # instead of finishing here.
+    migrates_on_drain: ClassVar[bool] = False
     handoff_stats: dict[str, float] | None = None  # a PE's confirmed hand-offs, cumulative
 
     def __init__(self, engine: EngineView):
@@ -157,16 +168,22 @@ class Role:
         arrival_time: float | None,
         enqueue: bool,
         reservation: Reservation | None,
+        resume: Resume | None = None,
     ) -> Sequence:
         if reservation is not None:
             raise ValueError("only a prefill engine takes a reservation")
-        return self.engine.build_request(request_id, prompt, sampling_params, arrival_time, enqueue)
+        return self.engine.build_request(request_id, prompt, sampling_params, arrival_time, enqueue, resume)
 
     def admit(
-        self, request_id: str, prompt, sampling_params: SamplingParams, reservation: Reservation | None
+        self,
+        request_id: str,
+        prompt,
+        sampling_params: SamplingParams,
+        reservation: Reservation | None,
+        resume: Resume | None = None,
     ) -> Reservation | None:
         """A client's request: what the client is answered (a CE's reservation, else None)."""
-        self.engine.add_request(request_id, prompt, sampling_params, reservation=reservation)
+        self.engine.add_request(request_id, prompt, sampling_params, reservation=reservation, resume=resume)
         return None
 
     def abort_request(self, request_id: str) -> bool:

@@ -20,6 +20,7 @@ from pdinfer.engine.roles.base import EngineView, Role
 from pdinfer.engine_type import EngineType
 from pdinfer.kv_transfer.connector import Arrival, KVConnector
 from pdinfer.kv_transfer.protocol import KVAbort
+from pdinfer.outputs import Resume
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence, SequenceStatus
 
@@ -32,6 +33,7 @@ class CompletionRole(Role):
     engine_type: ClassVar[EngineType] = EngineType.COMPLETION
     pd_split = True
     loads_kv_store = False  # it never prefills: its prompts' K/V come from the PE
+    migrates_on_drain = True  # a request is never recomputed here: it leaves for another CE
     connector: KVConnector  # from init_pd_split on
 
     def __init__(self, engine: EngineView):
@@ -68,18 +70,25 @@ class CompletionRole(Role):
 
     # --- reservations --------------------------------------------------------------------------------
     def reserve(
-        self, request_id: str, prompt, sampling_params: SamplingParams | None = None, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        resume: Resume | None = None,
     ) -> Reservation:
+        """Blocks for the K/V a PE will push: the prompt's, and a migrated request's tokens so
+        far (``resume``), plus a decode margin."""
         engine = self.engine
-        seq = engine.add_request(request_id, prompt, sampling_params, arrival_time, enqueue=False)
+        seq = engine.add_request(request_id, prompt, sampling_params, arrival_time, enqueue=False, resume=resume)
         bm = engine.block_manager
         # never more than the request can use (add_request admitted prompt + max_tokens - 1)
-        margin = min(self.pd_config.decode_margin_tokens, seq.max_tokens - 1)
-        needed = bm.blocks_for(seq.num_prompt_tokens + margin)
+        margin = min(self.pd_config.decode_margin_tokens, seq.max_tokens - seq.num_resumed_tokens - 1)
+        needed = bm.blocks_for(seq.num_handoff_tokens + margin)
         if needed > bm.num_free_blocks or len(engine.scheduler.running) >= engine.scheduler_config.max_num_seqs:
             engine.unbuild_request(request_id)
             raise NoRoomError(
-                f"no room for {seq.num_prompt_tokens} prompt tokens: {bm.num_free_blocks} "
+                f"no room for {seq.num_handoff_tokens} prompt tokens: {bm.num_free_blocks} "
                 f"free KV blocks, {needed} needed"
             )
         seq.block_table = bm.allocate_blocks(needed)
@@ -87,7 +96,7 @@ class CompletionRole(Role):
         seq.handoff = {"transfer_id": transfer_id, "deadline": time.monotonic() + self.pd_config.reservation_timeout_s}
         self.reservations[transfer_id] = seq
         # From now on the KV port lets this transfer's push (of exactly its prompt's blocks) through.
-        nbytes = bm.blocks_for(seq.num_prompt_tokens) * engine.model_runner.require_cache().bytes_per_block
+        nbytes = bm.blocks_for(seq.num_handoff_tokens) * engine.model_runner.require_cache().bytes_per_block
         self.connector.gate.expect(transfer_id, request_id, nbytes)
         return Reservation(
             transfer_id=transfer_id,
@@ -95,18 +104,23 @@ class CompletionRole(Role):
             address=self.kv_address,
             instance_id=self.connector.instance_id,
             block_ids=list(seq.block_table),
-            num_prompt_tokens=seq.num_prompt_tokens,
+            num_prompt_tokens=seq.num_handoff_tokens,
             timeout_s=self.pd_config.reservation_timeout_s,
         )
 
     def admit(
-        self, request_id: str, prompt, sampling_params: SamplingParams, reservation: Reservation | None
+        self,
+        request_id: str,
+        prompt,
+        sampling_params: SamplingParams,
+        reservation: Reservation | None,
+        resume: Resume | None = None,
     ) -> Reservation:
         """Decode allocates first: the client (the router, through this CE's server) gets the
         reservation to hand to a PE, or ``NoRoomError`` at once."""
         if reservation is not None:
             raise ValueError("a completion engine makes reservations; it does not take one")
-        return self.reserve(request_id, prompt, sampling_params)
+        return self.reserve(request_id, prompt, sampling_params, resume=resume)
 
     def begin_step(self) -> None:
         self._accept_arrivals()
@@ -189,8 +203,8 @@ class CompletionRole(Role):
             return "the reservation was made with an earlier instance of this engine"
         if push.request_id != seq.request_id:
             return f"request id {push.request_id!r} does not match the reservation ({seq.request_id!r})"
-        if push.num_tokens != seq.num_prompt_tokens:
-            return f"{push.num_tokens} tokens of K/V for a prompt of {seq.num_prompt_tokens}"
+        if push.num_tokens != seq.num_handoff_tokens:
+            return f"{push.num_tokens} tokens of K/V for a prompt of {seq.num_handoff_tokens}"
         expected_blocks = engine.block_manager.blocks_for(push.num_tokens)
         if list(push.block_ids) != seq.block_table[:expected_blocks]:
             return "the K/V targets blocks that were not reserved for it"

@@ -29,6 +29,7 @@ from pdinfer.engine.roles.base import EngineView, Role
 from pdinfer.engine_type import EngineType
 from pdinfer.kv_transfer.connector import HandshakeError, KVConnector
 from pdinfer.kv_transfer.protocol import KVAbort, KVAck, KVPush
+from pdinfer.outputs import Resume
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence, SequenceStatus
 
@@ -82,7 +83,7 @@ class PrefillRole(Role):
     def pe_prepare_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
         bm = self.engine.block_manager
         for seq in self._completing:
-            blocks = seq.block_table[: bm.blocks_for(seq.num_prompt_tokens)]
+            blocks = seq.block_table[: bm.blocks_for(seq.num_handoff_tokens)]
             seq.handoff.kv_future = self.engine.executor.submit_call(self._read_kv, blocks)
 
     def _read_kv(self, blocks: list[int]):
@@ -120,9 +121,11 @@ class PrefillRole(Role):
         arrival_time: float | None,
         enqueue: bool,
         reservation: Reservation | None,
+        resume: Resume | None = None,
     ) -> Sequence:
-        """Prefill ``prompt`` and hand it to the CE that made ``reservation`` (ValueError for a
-        reservation that cannot be one, checked as if from a stranger)."""
+        """Prefill ``prompt`` (and, for a migrated request, the tokens it had: ``resume``) and
+        hand it to the CE that made ``reservation`` (ValueError for a reservation that cannot
+        be one, checked as if from a stranger)."""
         if reservation is None:
             raise ValueError("a prefill engine needs a reservation from a completion engine")
         if reservation.request_id != request_id:
@@ -130,17 +133,17 @@ class PrefillRole(Role):
         reservation.check(num_blocks_needed=0)
         self.connector.check_address(reservation.address)
         engine = self.engine
-        seq = engine.build_request(request_id, prompt, sampling_params, arrival_time, enqueue=False)
+        seq = engine.build_request(request_id, prompt, sampling_params, arrival_time, False, resume)
         # n > 1: the n first tokens ride on this one sequence (the CE forks): it alone ends the
         # request here (else the request would never count as finished on the PE).
         engine.requests[request_id].expected_seqs = 1
         error = None
-        if seq.num_prompt_tokens != reservation.num_prompt_tokens:
+        if seq.num_handoff_tokens != reservation.num_prompt_tokens:
             error = (
                 f"the reservation is for {reservation.num_prompt_tokens} prompt tokens, "
-                f"the prompt has {seq.num_prompt_tokens}"
+                f"the prompt has {seq.num_handoff_tokens}"
             )
-        elif len(reservation.block_ids) < engine.block_manager.blocks_for(seq.num_prompt_tokens):
+        elif len(reservation.block_ids) < engine.block_manager.blocks_for(seq.num_handoff_tokens):
             error = "the reservation's block_ids hold fewer blocks than the prompt needs"
         if error is not None:
             engine.unbuild_request(request_id)
@@ -209,19 +212,19 @@ class PrefillRole(Role):
     def _push(self, seq: Sequence, now: float) -> None:
         reservation: Reservation = seq.handoff.reservation
         data, nbytes, crc = seq.handoff.kv_future.result().finish()
-        num_blocks = self.engine.block_manager.blocks_for(seq.num_prompt_tokens)
+        num_blocks = self.engine.block_manager.blocks_for(seq.num_handoff_tokens)
         push = KVPush(
             transfer_id=reservation.transfer_id,
             request_id=seq.request_id,
             instance_id=reservation.instance_id,
-            num_tokens=seq.num_prompt_tokens,
+            num_tokens=seq.num_handoff_tokens,
             first_token=seq.first_tokens[0],
             first_tokens=list(seq.first_tokens),
             seed=seq.seed,
             block_ids=reservation.block_ids[:num_blocks],
             nbytes=nbytes,
             checksum=crc,
-            first_logprobs=seq.output_logprobs[0] if seq.output_logprobs else None,
+            first_logprobs=seq.output_logprobs[seq.num_resumed_tokens] if seq.output_logprobs else None,
         )
         self.connector.send(reservation.address, push, data)
         seq.handoff.kv_future = None
