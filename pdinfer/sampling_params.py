@@ -6,7 +6,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-_SEED_BITS = 31
+SEED_BITS = 31
 _INT32_MAX = 2**31 - 1
 # Bounds on what one request may ask for (vLLM's default max_logprobs is 20 too).
 MAX_LOGPROBS = 20
@@ -194,8 +194,8 @@ class SamplingParams:
     def resolved_seed(self) -> int:
         """The seed of this request's random stream; an unseeded request draws one."""
         if self.seed is not None:
-            return self.seed & ((1 << _SEED_BITS) - 1)
-        return random.getrandbits(_SEED_BITS)
+            return self.seed & ((1 << SEED_BITS) - 1)
+        return random.getrandbits(SEED_BITS)
 
     def clone(self, **changes) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__ if not name.startswith("_")}

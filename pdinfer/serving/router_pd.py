@@ -1,19 +1,26 @@
-"""One prompt through a CE and a PE (the exchange of ``pd_protocol``), with retries.
+"""One prompt through a CE and a PE (the exchange of ``pd_protocol``), with retries and migration.
 
 An attempt: reserve on the CE the decode balancer ranks first (503 no room: the next one; all
 full: wait and try again, up to ``queue_timeout_s``), pick a PE, POST the prefill while reading
 the CE's stream, relay the CE's deltas. A PE whose waiting queue is full (503 no room) is
-back-pressure too: a new attempt after a pause, not counted, within the same ``queue_timeout_s``;
-so is a CE that ran out of blocks and stopped the request (preempted). Until a token went to
-the client (a whole, non-streamed answer is held until its attempt finished), a failure of
-either engine (connection refused or broken, 5xx, a CE stream that ends early, a request the CE
-finished with an error) makes a new attempt elsewhere: the failed CE stream and the PE's
+back-pressure too: a new attempt after a pause, not counted, within the same ``queue_timeout_s``.
+A failure of either engine (connection refused or broken, 5xx, a CE stream that ends early, a
+request the CE gave up) makes a new attempt elsewhere: the failed CE stream and the PE's
 connection are closed, which makes the CE abort the reservation and the PE its prefill (so
-does a client that leaves). Once a token went out, a failure ends the request with an error
-event. ``max_attempts`` bounds the attempts; 4xx answers are the request's fault and end it at
-once. A request that succeeded leaves the PE's answer to come in the background: the CE's
-output can be complete before the CE's ack reached the PE, and closing the connection then
-would make the PE abort a hand-off that went through.
+does a client that leaves). 4xx answers are the request's fault and end it at once.
+
+Migration (``docs/kv-transfer.md``): the job records every token its CEs sent, per output.
+Once it has tokens, a new attempt does not start over: it resumes (``outputs.Resume``) from
+them, through a PE that prefills prompt + tokens so far and a CE that decodes on, so the
+client's answer goes on with no gap, repeat or error, and greedy or seeded output equals an
+unmigrated run (the job's seed is fixed here, so an unseeded request keeps its random stream).
+An attempt that brought tokens and then ended (the CE ran out of blocks, was drained, died) is
+a migration, never counted against ``max_attempts``, and it opens a new ``queue_timeout_s``
+window; one that brought none is a retry, as before. With ``n > 1``, the outputs still running
+when a CE gave up are resumed one after another. A request that succeeded leaves the PE's
+answer to come in the background: the CE's output can be complete before the CE's ack
+reached the PE, and closing the connection then would make the PE abort a hand-off that went
+through.
 """
 
 from __future__ import annotations
@@ -21,11 +28,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 
-from pdinfer.core.scheduler import PREEMPTED_ERROR
-from pdinfer.outputs import PromptLogprobs
+from pdinfer.outputs import MIGRATE_DRAIN, MIGRATE_PREEMPTED, PromptLogprobs, Resume
+from pdinfer.sampling_params import SEED_BITS
 from pdinfer.serving import upstream
 from pdinfer.serving.load_balancer import Assignment, DecodeBalancer, Engine, PrefillBalancer
 from pdinfer.serving.pd_protocol import DecodeEvent, OutputDelta, decode_event, prompt_logprobs_of
@@ -37,7 +45,7 @@ logger = logging.getLogger("pdinfer")
 _NO_ROOM_BACKOFF_S = 0.05
 # A full PE (503 no_room), or a CE that ran out of blocks and stopped the request before the
 # client saw a token: wait for room within --queue-timeout-s, without counting an attempt.
-_BACK_PRESSURE = ("prefill_full", "decode_preempted")
+_BACK_PRESSURE = ("prefill_full", "decode_preempted", "drain")
 _BACKGROUND_GRACE_S = 2.0  # at shutdown, how long PE answers still to come may take
 
 
@@ -47,6 +55,22 @@ class Retry(Exception):
     def __init__(self, reason: str, message: str, exclude: str | None = None):
         super().__init__(message)
         self.reason, self.exclude = reason, exclude
+
+
+# The finish reasons of a CE that gave an output up (preempted, or aborted by a drain): the
+# output goes on elsewhere, so they never reach the client.
+_GIVEN_UP = ("error", "abort")
+# A CE's ``migrate`` reason -> the reason the router counts (and retries) it under.
+_MIGRATE_REASONS = {MIGRATE_PREEMPTED: "decode_preempted", MIGRATE_DRAIN: "drain"}
+
+
+@dataclass
+class Progress:
+    """What the job's CEs sent of one output: the state a migration carries on from."""
+
+    token_ids: list[int] = field(default_factory=list)
+    num_chars: int = 0  # text characters relayed
+    finish_reason: str | None = None  # a real end ("stop", "length"), never a CE's give-up
 
 
 @dataclass
@@ -59,32 +83,87 @@ class PDJob:
     token_ids: list[int]
     sampling: dict
     queue: asyncio.Queue
-    # A whole (non-streamed) answer: outputs wait here until the attempt finished, so an attempt
-    # that fails after its first tokens (a CE preempted or died) can be retried unseen.
+    # A whole (non-streamed) answer: outputs wait here until the job finished.
     whole: bool = False
     arrival_s: float = field(default_factory=time.monotonic)
-    streamed: bool = False  # the client has seen tokens: no other attempt may start
     attempt: int = 0
     first_token_s: float | None = None
     num_tokens: int = 0  # the longest choice so far, in this attempt
     prompt_logprobs: PromptLogprobs | None = None  # from the PE, before any output is delivered
     unsent: list[list[OutputDelta]] = field(default_factory=list)
+    progress: dict[int, Progress] = field(default_factory=dict)  # output index -> what it has
+    resume: Resume | None = None  # what this attempt continues (None: a fresh start)
+    given_up_s: float | None = None  # when a CE last gave the job up (migration latency)
+
+    def __post_init__(self) -> None:
+        # A seed fixed here: a resumed output draws from the same random stream (the sampler
+        # keys it by seed and position), seeded by the client or not. Per job, so that equal
+        # unseeded prompts of one request still differ.
+        if self.sampling.get("seed") is None:
+            self.sampling = {**self.sampling, "seed": random.getrandbits(SEED_BITS)}
+
+    @property
+    def n(self) -> int:
+        return self.sampling.get("n") or 1
+
+    @property
+    def has_tokens(self) -> bool:
+        return any(p.token_ids for p in self.progress.values())
+
+    @property
+    def num_job_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.progress.values())
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.sampling.get("prompt_logprobs") is not None
+        return self.resume is None and self.sampling.get("prompt_logprobs") is not None
+
+    def next_resume(self) -> Resume | None:
+        """The output the next attempt continues; None for a fresh start (no tokens yet)."""
+        if not self.has_tokens:
+            return None
+        for index in range(self.n):
+            done = self.progress.get(index, Progress())
+            if done.finish_reason is None:
+                return Resume(list(done.token_ids), index, done.num_chars)
+        return None
+
+    @property
+    def done(self) -> bool:
+        return self.has_tokens and all(
+            self.progress.get(i, Progress()).finish_reason is not None for i in range(self.n)
+        )
+
+    def body(self) -> dict:
+        """This attempt's request to the engines."""
+        body: dict = {"request_id": f"{self.request_id}-a{self.attempt}", "prompt_token_ids": self.token_ids}
+        if self.resume is None:
+            body["sampling"] = self.sampling
+        else:  # one output, on from its tokens; the client has the prompt's log-probs
+            body["sampling"] = {**self.sampling, "n": 1, "prompt_logprobs": None}
+            body["resume"] = {
+                "token_ids": self.resume.token_ids,
+                "index": self.resume.index,
+                "num_shown_chars": self.resume.num_shown_chars,
+            }
+        return body
 
     def deliver(self, outputs: list[OutputDelta]) -> None:
+        for delta in outputs:
+            done = self.progress.setdefault(delta.index, Progress())
+            done.token_ids += delta.token_ids
+            done.num_chars += len(delta.text)
+            if delta.finish_reason is not None:
+                done.finish_reason = delta.finish_reason
         if self.whole:
             self.unsent.append(outputs)
             return
         self.queue.put_nowait((self.index, "outputs", outputs))
-        if any(d.token_ids for d in outputs):
-            self.streamed = True
 
     def start_attempt(self) -> None:
         self.attempt += 1
-        self.unsent, self.num_tokens, self.first_token_s = [], 0, None
+        self.num_tokens = 0
+        self.resume = self.next_resume()
 
     def finish(self) -> None:
         for outputs in self.unsent:
@@ -145,18 +224,25 @@ class PDDriver:
             full_until = time.monotonic() + self.queue_timeout_s
             while failures < self.max_attempts:
                 job.start_attempt()
+                tokens_before = job.num_job_tokens
                 try:
                     await self._attempt(job, excluded)
+                    if job.next_resume() is not None:
+                        continue  # n > 1 after a migration: the next output still to finish
                     self._observe_finished(job)
                     job.finish()
                     return
                 except Retry as exc:
+                    if exc.exclude:
+                        excluded.add(exc.exclude)
+                    if job.num_job_tokens > tokens_before:  # it got somewhere: a migration
+                        self._migrated(job, exc)
+                        full_until = time.monotonic() + self.queue_timeout_s
+                        continue
                     if exc.reason in _BACK_PRESSURE and time.monotonic() < full_until:
                         await asyncio.sleep(_NO_ROOM_BACKOFF_S)  # as a full CE's: no attempt counted
                         continue
                     last, failures = exc, failures + 1
-                    if exc.exclude:
-                        excluded.add(exc.exclude)
                     logger.warning("router: attempt %d of %s failed (%s)", job.attempt, job.request_id, exc)
                     if failures < self.max_attempts:
                         self.metrics.retries.labels(reason=exc.reason).inc()
@@ -174,6 +260,12 @@ class PDDriver:
                 (job.index, "error", APIError(500, f"router error: {exc!r}", type="server_error", code="router_error"))
             )
 
+    def _migrated(self, job: PDJob, exc: Retry) -> None:
+        """A CE gave ``job`` up after it had sent tokens: it goes on from them elsewhere."""
+        self.metrics.migrations.labels(reason=exc.reason).inc()
+        job.given_up_s = time.monotonic()
+        logger.info("router: %s moves to another engine after %d tokens (%s)", job.request_id, job.num_job_tokens, exc)
+
     def _observe_finished(self, job: PDJob) -> None:
         now = time.monotonic()
         self.metrics.e2e_latency.observe(now - job.arrival_s)
@@ -182,11 +274,9 @@ class PDDriver:
 
     # --- one attempt ----------------------------------------------------------------------------
     async def _attempt(self, job: PDJob, excluded: set[str]) -> None:
-        body = {
-            "request_id": f"{job.request_id}-a{job.attempt}",
-            "prompt_token_ids": job.token_ids,
-            "sampling": job.sampling,
-        }
+        body = job.body()
+        if job.resume is not None:
+            self.metrics.migration_tokens.inc(len(job.token_ids) + len(job.resume.token_ids))
         decode, response, lines, reservation = await self._reserve(body, excluded)
         ce = decode.engine
         prefill = self.prefill_lb.pick(job.token_ids, exclude=excluded)
@@ -223,7 +313,8 @@ class PDDriver:
             if not candidates:
                 raise APIError(503, "no completion engine is available", type="server_error", code="no_decode_engine")
             for ce in candidates:
-                decode = self.decode_lb.assign(ce, len(body["prompt_token_ids"]))
+                num_tokens = len(body["prompt_token_ids"]) + len(body.get("resume", {}).get("token_ids", ()))
+                decode = self.decode_lb.assign(ce, num_tokens)
                 reserved = None
                 try:
                     reserved = await self._try_reserve(ce, body, excluded)
@@ -349,39 +440,45 @@ class PDDriver:
                 raise item
             if kind == "ce_failed" and held and held[-1].finished:
                 continue  # the CE is done (its stream ended); its events wait for the PE's answer
-            if kind == "ce_failed":
+            if kind == "ce_failed":  # died or cut off: another CE goes on from the tokens so far
                 self.pool.eject(ce, str(item))
-                if not job.streamed:
-                    raise Retry("decode_engine_failed", f"the completion engine {ce.url}: {item}", ce.url)
-                raise APIError(
-                    502,
-                    f"the completion engine {ce.url} failed after the first tokens were streamed: {item}",
-                    type="server_error",
-                    code="engine_failed",
-                )
+                raise Retry("decode_engine_failed", f"the completion engine {ce.url}: {item}", ce.url)
             if held is not None:
                 held.append(item)
             elif self._on_event(job, decode, item):
                 return
 
     def _on_event(self, job: PDJob, decode: Assignment, event: DecodeEvent) -> bool:
-        """Relay one CE event; True once the request finished."""
-        outputs = event.outputs
+        """Relay one CE event; True once the request finished. A CE that gave the request up
+        (``migrate``) ends the attempt with its tokens relayed and its give-up finishes held
+        back: the next attempt resumes those outputs."""
+        migrate = event.migrate if event.finished else None
+        outputs = [_without_give_up(d) if d.finish_reason in _GIVEN_UP else d for d in event.outputs]
         num_new = sum(len(d.token_ids) for d in outputs)
-        error = event.error if event.finished else None
-        if error and not job.streamed:  # the client saw nothing: another attempt may run
-            reason = "decode_preempted" if error == PREEMPTED_ERROR else "decode_error"
-            raise Retry(reason, f"the completion engine ended the request: {error}")
+        error = event.error if event.finished and migrate is None else None
+        if error and not job.has_tokens:  # nothing came yet: another attempt may run
+            raise Retry("decode_error", f"the completion engine ended the request: {error}")
         decode.add_tokens(num_new)
         if num_new:
+            now = time.monotonic()
             if job.first_token_s is None:
-                job.first_token_s = time.monotonic()
-                self.metrics.time_to_first_token.observe(job.first_token_s - job.arrival_s)
+                job.first_token_s = now
+                self.metrics.time_to_first_token.observe(now - job.arrival_s)
+            if job.given_up_s is not None:
+                self.metrics.migration_latency.observe(now - job.given_up_s)
+                job.given_up_s = None
             job.num_tokens += max(len(d.token_ids) for d in outputs)
         if outputs:
             job.deliver(outputs)
+        if migrate is not None:
+            reason = _MIGRATE_REASONS.get(migrate, "decode_engine_failed")
+            raise Retry(reason, f"the completion engine gave the request up ({migrate}): {event.error}")
         if error:
             raise APIError(
                 503, f"the engine could not finish the request: {error}", type="server_error", code="engine_error"
             )
         return event.finished
+
+
+def _without_give_up(delta: OutputDelta) -> OutputDelta:
+    return OutputDelta(delta.index, delta.text, delta.token_ids, None, delta.logprobs)

@@ -50,6 +50,25 @@ class RouterMetrics(RequestLatencyMetrics):
         self.retries = Counter(
             PREFIX + "router_retries", "Attempts retried on other engines, by reason.", ["reason"], registry=r
         )
+        self.migrations = Counter(
+            PREFIX + "router_migrations",
+            "Requests continued on another CE after tokens went out, by reason (preempted: the CE ran "
+            "out of KV blocks; drain; decode_engine_failed: the CE died or its stream broke).",
+            ["reason"],
+            registry=r,
+        )
+        self.migration_latency = Histogram(
+            PREFIX + "router_migration_latency_seconds",
+            "Time from a CE giving a request up to the request's next token from its new CE.",
+            buckets=_HANDOFF_BUCKETS_S,
+            registry=r,
+        )
+        self.migration_tokens = Counter(
+            PREFIX + "router_migration_prefill_tokens",
+            "Tokens (prompt + output so far) a PE was asked to prefill again for migrated requests; "
+            "its prefix cache and the KV store serve what they hold of them.",
+            registry=r,
+        )
         self.ejections = Counter(
             PREFIX + "router_ejections", "Engines ejected from rotation.", ["engine", "role"], registry=r
         )
