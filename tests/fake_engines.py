@@ -110,19 +110,22 @@ class FakeCE(FakeEngine):
     takes its timeout, 10 s), and nothing more; "finish": that reservation and, once the PE
     connected to that address (so it holds the request), the request finished (one token) and
     the end of the stream; "preempt": as "finish", but the one token (86) is followed by the end
-    of the request with the error of a CE that ran out of blocks, and the next /pd/decode is
-    "finish". ``closed`` counts the /pd/decode streams that the router closed before their end."""
+    of the request as a CE that ran out of blocks ends it (given up, for another CE to continue),
+    and the next /pd/decode is "finish". ``closed`` counts the /pd/decode streams that the router
+    closed before their end; ``bodies`` holds every /pd/decode body."""
 
     role = "completion"
 
     def __init__(self) -> None:
         self.mode = "reserve"
         self.closed = 0
+        self.bodies: list[dict] = []
         self.sockets: list[socket.socket] = []  # the silent K/V addresses and what they accepted
         super().__init__()
 
     async def post(self, path: str, body: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         assert path == "/pd/decode", path
+        self.bodies.append(body)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
         if self.mode != "silent":
             kv = socket.socket()
@@ -136,7 +139,7 @@ class FakeCE(FakeEngine):
                 "address": f"tcp://127.0.0.1:{kv.getsockname()[1]}",
                 "instance_id": "i" * 32,
                 "block_ids": list(range(64)),
-                "num_prompt_tokens": len(body["prompt_token_ids"]),
+                "num_prompt_tokens": len(body["prompt_token_ids"]) + len(body.get("resume", {}).get("token_ids", [])),
             }
             writer.write(_chunk({"reservation": reservation}))
         if self.mode in ("finish", "preempt"):
@@ -148,7 +151,8 @@ class FakeCE(FakeEngine):
                 writer.write(_chunk({"outputs": [{"index": 0, "text": " y", "token_ids": [86]}]}))
                 await writer.drain()
                 await asyncio.sleep(0.2)  # a stream's first token reaches its client first
-                writer.write(_chunk({"outputs": [], "finished": True, "error": PREEMPTED_ERROR}) + b"0\r\n\r\n")
+                end = {"outputs": [], "finished": True, "error": PREEMPTED_ERROR, "migrate": "preempted"}
+                writer.write(_chunk(end) + b"0\r\n\r\n")
                 await writer.drain()
                 return False
             output = {"index": 0, "text": " x", "token_ids": [87], "finish_reason": "length"}

@@ -643,24 +643,33 @@ def test_a_request_the_ce_finished_before_the_pe_answered_is_not_aborted_on_the_
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_a_request_the_ce_preempted_is_retried_unless_its_client_saw_a_token(fake_ce_router, stream):
-    """A CE out of blocks stops a request it already generated a token for
-    (stop_preempted_request). A whole answer is held until its attempt finished, so the router
-    tries again (back-pressure: not counted, and this router allows one attempt) and answers
-    with the second attempt's token alone; under load through launch half the requests got this
-    error before. A stream has shown the token: it ends with the error."""
+def test_a_request_the_ce_gave_up_goes_on_from_its_tokens(fake_ce_router, stream):
+    """A CE out of blocks gives a request up after its first token (86): the router does not
+    end the answer with an error (before request migration, a stream did) nor start it over;
+    it asks the next CE to go on from that token (``resume``), and the client gets 86 then 87,
+    each once, with one finish. Not counted as an attempt (this router allows one)."""
     router, ce, _ = fake_ce_router
-    ce.mode = "preempt"  # token 86, then preempted; the next /pd/decode: token 87
+    ce.mode = "preempt"  # token 86, then given up; the next /pd/decode: token 87
+    num_bodies = len(ce.bodies)
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2, "return_token_ids": True, "stream": stream}
     if not stream:
         resp = httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
-        assert resp.status_code == 200 and resp.json()["choices"][0]["token_ids"] == [87], resp.text
-        return
-    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30) as resp:
-        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
-    assert json.loads(events[0])["choices"][0]["token_ids"] == [86]
-    assert "preempted" in json.loads(events[1])["error"]["message"], events
-    assert ce.mode == "finish"  # no second attempt took it
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        assert choice["token_ids"] == [86, 87] and choice["text"] == " y x" and choice["finish_reason"] == "length"
+    else:
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30) as resp:
+            events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        assert not any("error" in e for e in events), events
+        choices = [c for e in events for c in e["choices"]]
+        assert [t for c in choices for t in c.get("token_ids") or []] == [86, 87]
+        assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
+    first, second = ce.bodies[num_bodies:]
+    assert "resume" not in first
+    assert second["resume"] == {"token_ids": [86], "index": 0, "num_shown_chars": 2}
+    assert second["prompt_token_ids"] == first["prompt_token_ids"]
+    assert second["sampling"]["seed"] == first["sampling"]["seed"]  # the same random stream
+    assert ce.mode == "finish"
 
 
 def test_a_worker_whose_router_died_while_it_started_exits(tmp_path):

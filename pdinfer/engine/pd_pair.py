@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 
 from pdinfer.engine.llm_engine import LLMEngine
-from pdinfer.outputs import RequestOutput
+from pdinfer.outputs import RequestOutput, Resume
 from pdinfer.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -25,11 +25,12 @@ class PDPair:
         self.errors: dict[str, RequestOutput] = {}
         self._prompt_logprobs: dict[str, list] = {}  # from the PE (which prefills) to the CE's outputs
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
-        """Reserve on the CE first (raises NoRoomError when it is full), then prefill on the PE."""
-        reservation = self.ce.admit(request_id, prompt, params)  # the CE's reservation
+    def add_request(self, request_id: str, prompt, params: SamplingParams, resume: Resume | None = None) -> None:
+        """Reserve on the CE first (raises NoRoomError when it is full), then prefill on the PE.
+        ``resume``: a migrated request's output, continued from its tokens."""
+        reservation = self.ce.admit(request_id, prompt, params, resume=resume)  # the CE's reservation
         try:
-            self.pe.admit(request_id, prompt, params, reservation=reservation)
+            self.pe.admit(request_id, prompt, params, reservation=reservation, resume=resume)
         except Exception:
             self.ce.abort_request(request_id)
             raise
