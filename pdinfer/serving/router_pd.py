@@ -1,9 +1,11 @@
 """One prompt through a CE and a PE (the exchange of ``pd_protocol``), with retries and migration.
 
 An attempt: reserve on the CE the decode balancer ranks first (503 no room: the next one; all
-full: wait and try again, up to ``queue_timeout_s``), pick a PE, POST the prefill while reading
-the CE's stream, relay the CE's deltas. A PE whose waiting queue is full (503 no room) is
-back-pressure too: a new attempt after a pause, not counted, within the same ``queue_timeout_s``.
+full: wait and try again), pick a PE, POST the prefill while reading the CE's stream, relay the
+CE's deltas. A PE whose waiting queue is full (503 no room) is back-pressure too: a new attempt
+after a pause, not counted. A request waits out back-pressure as long as the cluster moves: it
+fails ("overloaded") only once it has waited ``queue_timeout_s`` and no CE took any request for
+that long either (a busy cluster queues; a stuck one answers).
 A failure of either engine (connection refused or broken, 5xx, a CE stream that ends early, a
 request the CE gave up) makes a new attempt elsewhere: the failed CE stream and the PE's
 connection are closed, which makes the CE abort the reservation and the PE its prefill (so
@@ -15,8 +17,8 @@ them, through a PE that prefills prompt + tokens so far and a CE that decodes on
 client's answer goes on with no gap, repeat or error, and greedy or seeded output equals an
 unmigrated run (the job's seed is fixed here, so an unseeded request keeps its random stream).
 An attempt that brought tokens and then ended (the CE ran out of blocks, was drained, died) is
-a migration, never counted against ``max_attempts``, and it opens a new ``queue_timeout_s``
-window; one that brought none is a retry, as before. With ``n > 1``, the outputs still running
+a migration, never counted against ``max_attempts``; one that brought none is a retry, as
+before. With ``n > 1``, the outputs still running
 when a CE gave up are resumed one after another. A request that succeeded leaves the PE's
 answer to come in the background: the CE's output can be complete before the CE's ack
 reached the PE, and closing the connection then would make the PE abort a hand-off that went
@@ -201,6 +203,7 @@ class PDDriver:
         self.queue_timeout_s = queue_timeout_s
         self.engine_timeout_s = engine_timeout_s
         self._background: set[asyncio.Future] = set()  # PE answers still to come (``_keep``)
+        self._last_reserved_s = time.monotonic()  # when a CE last took a request (any request)
 
     def _keep(self, task: asyncio.Future) -> None:
         """Let ``task`` run on after its attempt, held here (the loop keeps only a weak reference)."""
@@ -221,7 +224,7 @@ class PDDriver:
         try:
             excluded: set[str] = set()
             failures = 0
-            full_until = time.monotonic() + self.queue_timeout_s
+            waiting_since = time.monotonic()
             while failures < self.max_attempts:
                 job.start_attempt()
                 tokens_before = job.num_job_tokens
@@ -237,9 +240,9 @@ class PDDriver:
                         excluded.add(exc.exclude)
                     if job.num_job_tokens > tokens_before:  # it got somewhere: a migration
                         self._migrated(job, exc)
-                        full_until = time.monotonic() + self.queue_timeout_s
+                        waiting_since = time.monotonic()
                         continue
-                    if exc.reason in _BACK_PRESSURE and time.monotonic() < full_until:
+                    if exc.reason in _BACK_PRESSURE and not self._stalled(waiting_since):
                         await asyncio.sleep(_NO_ROOM_BACKOFF_S)  # as a full CE's: no attempt counted
                         continue
                     last, failures = exc, failures + 1
@@ -259,6 +262,12 @@ class PDDriver:
             job.queue.put_nowait(
                 (job.index, "error", APIError(500, f"router error: {exc!r}", type="server_error", code="router_error"))
             )
+
+    def _stalled(self, waiting_since: float) -> bool:
+        """Back-pressure has lasted ``queue_timeout_s`` for this request and for the cluster."""
+        now = time.monotonic()
+        timeout_s = self.queue_timeout_s
+        return now - waiting_since > timeout_s and now - self._last_reserved_s > timeout_s
 
     def _migrated(self, job: PDJob, exc: Retry) -> None:
         """A CE gave ``job`` up after it had sent tokens: it goes on from them elsewhere."""
@@ -307,7 +316,7 @@ class PDDriver:
     async def _reserve(self, body: dict, excluded: set[str]):
         """The first CE (in balancer order) with room: (assignment, response, lines,
         reservation). A CE is charged when picked, before the await, so a burst spreads."""
-        deadline = time.monotonic() + self.queue_timeout_s
+        waiting_since = time.monotonic()
         while True:
             candidates = self.decode_lb.candidates(excluded)
             if not candidates:
@@ -322,11 +331,13 @@ class PDDriver:
                     if reserved is None:
                         decode.release()
                 if reserved is not None:
+                    self._last_reserved_s = time.monotonic()
                     return (decode, *reserved)
-            if time.monotonic() > deadline:
+            if self._stalled(waiting_since):
                 raise APIError(
                     503,
-                    f"every completion engine stayed full for {self.queue_timeout_s:.0f} s; retry later",
+                    f"every completion engine stayed full, and took no request, for {self.queue_timeout_s:.0f} s; "
+                    "retry later",
                     type="server_overloaded",
                     code="overloaded",
                 )
