@@ -112,12 +112,14 @@ def main() -> None:
     p.add_argument("--large-blocks", type=int, default=1024, help="KV blocks per engine: room for every request")
     p.add_argument("--clients", type=int, default=1, help="client processes")
     p.add_argument("--pd-arg", action="append", default=[], help="extra flag for launch (engines and router)")
+    p.add_argument("--runs", default="short,roomy", help="which of the two clusters to run")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     prompts = make_prompts(args.requests, args.input_len, vocab_size(args))
     log_dir = Path(tempfile.mkdtemp(prefix="migration-"))
     rows: dict = {}
-    for name, blocks in (("short", args.small_blocks), ("roomy", args.large_blocks)):
+    runs = {"short": args.small_blocks, "roomy": args.large_blocks}
+    for name, blocks in [(name, runs[name]) for name in args.runs.split(",")]:
         print(f"{name}: {blocks} KV blocks per engine ...", file=sys.stderr, flush=True)
         rows[name] = cluster_run(args, blocks, prompts, log_dir / name)
         print(f"  {rows[name]}", file=sys.stderr, flush=True)

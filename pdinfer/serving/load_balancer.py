@@ -102,6 +102,8 @@ class Engine:
     last_pick: int = 0
     prefix: PrefixIndex | None = None
     last_heard_s: float = float("-inf")  # monotonic time of the last bytes its streams sent us
+    num_steps: int = 0  # its engine's step count, from its last health check
+    last_stepped_s: float = float("-inf")  # monotonic time a health check first saw num_steps grow
 
     @property
     def total_queued_tokens(self) -> int:

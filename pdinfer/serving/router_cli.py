@@ -89,7 +89,7 @@ def add_router_parser(subparsers) -> None:
         "--queue-timeout-s",
         type=float,
         default=60.0,
-        help="a request waiting for room (every CE full, or its PE's queue) gets a 503 once it waited this long and no CE took any request for this long either",
+        help="a request waiting for room (every CE full, or its PE's queue) gets a 503 once it waited this long and, this long, no CE took a request or ran a step",
     )
     p.add_argument(
         "--engine-timeout-s", type=float, default=600.0, help="read timeout of the router's calls to an engine"

@@ -4,8 +4,9 @@ An attempt: reserve on the CE the decode balancer ranks first (503 no room: the 
 full: wait and try again), pick a PE, POST the prefill while reading the CE's stream, relay the
 CE's deltas. A PE whose waiting queue is full (503 no room) is back-pressure too: a new attempt
 after a pause, not counted. A request waits out back-pressure as long as the cluster moves: it
-fails ("overloaded") only once it has waited ``queue_timeout_s`` and no CE took any request for
-that long either (a busy cluster queues; a stuck one answers).
+fails ("overloaded") only once it has waited ``queue_timeout_s`` and, for that long, no CE took
+a request of this router worker's nor ran a step (the health checks see each CE's step count):
+a busy cluster queues, a stuck one answers.
 A failure of either engine (connection refused or broken, 5xx, a CE stream that ends early, a
 request the CE gave up) makes a new attempt elsewhere: the failed CE stream and the PE's
 connection are closed, which makes the CE abort the reservation and the PE its prefill (so
@@ -266,8 +267,8 @@ class PDDriver:
     def _stalled(self, waiting_since: float) -> bool:
         """Back-pressure has lasted ``queue_timeout_s`` for this request and for the cluster."""
         now = time.monotonic()
-        timeout_s = self.queue_timeout_s
-        return now - waiting_since > timeout_s and now - self._last_reserved_s > timeout_s
+        moved_s = max(self._last_reserved_s, self.pool.last_stepped_s("decode"))
+        return now - waiting_since > self.queue_timeout_s and now - moved_s > self.queue_timeout_s
 
     def _migrated(self, job: PDJob, exc: Retry) -> None:
         """A CE gave ``job`` up after it had sent tokens: it goes on from them elsewhere."""

@@ -110,6 +110,15 @@ class RouterMetrics(RequestLatencyMetrics):
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+def _note_steps(engine: Engine, resp: httpx.Response) -> None:
+    try:
+        num_steps = int(resp.json().get("num_steps", 0))
+    except (ValueError, AttributeError, TypeError):
+        return  # an engine of another version: no progress to read
+    if num_steps != engine.num_steps:
+        engine.num_steps, engine.last_stepped_s = num_steps, time.monotonic()
+
+
 class EnginePool:
     def __init__(
         self, engines: list[Engine], client: httpx.AsyncClient, metrics: RouterMetrics, interval_s: float = 1.0
@@ -169,8 +178,16 @@ class EnginePool:
         self._slow_checks[engine.url] = 0
         if resp.status_code != 200:
             self.eject(engine, f"/health answered {resp.status_code}")
-        elif not engine.healthy:
+            return
+        _note_steps(engine, resp)
+        if not engine.healthy:
             await self._admit(engine)
+
+    def last_stepped_s(self, role: str) -> float:
+        """When a health check last saw an engine of ``role`` step: a full cluster that steps
+        is busy, one that does not is stuck (each router worker checks every engine, so this
+        holds for requests of other workers too)."""
+        return max((e.last_stepped_s for e in self.by_role(role)), default=float("-inf"))
 
     async def _admit(self, engine: Engine) -> None:
         try:
