@@ -82,7 +82,7 @@ def test_a_resumed_seeded_output_equals_the_unmigrated_run(normal, pair, prompt_
     P/D pair, a seeded output draws what it would have drawn, log-probs included."""
     ids = prompt_ids[0]
     whole = _generate(normal, "s-whole", ids, SEEDED)
-    for cut in (1, 11, 39):
+    for cut in (1, 23):
         resume = Resume(token_ids=whole.token_ids[:cut])
         resumed = _generate(normal, f"s-{cut}", ids, SEEDED, resume)
         assert resumed.token_ids == whole.token_ids
