@@ -60,6 +60,7 @@ from pdinfer.engine.client import EngineClient, EngineDeadError, EngineLimits, E
 from pdinfer.engine.core_messages import EngineStats
 from pdinfer.engine.detokenizer import Detokenizer
 from pdinfer.engine.output_tracker import OutputTracker
+from pdinfer.engine.pd_common import NoRoomError
 from pdinfer.outputs import Resume
 from pdinfer.sampling_params import SamplingParams
 
@@ -170,7 +171,7 @@ class DPFront(EngineClient):
                 "num_handoffs_failed",
             )
         }
-        return EngineStats(**total, num_steps=max((s.num_steps for s in ranks), default=0))
+        return EngineStats(**total, num_steps=max((s.num_steps for s in ranks), default=0), draining=self._draining)
 
     def debug_ranks(self) -> list[dict[str, Any]]:
         """Each rank's blocks, requests and K/V port (``/debug/kv``)."""
@@ -205,6 +206,11 @@ class DPFront(EngineClient):
         """Requests that have not produced their first token yet (queued here or on a rank)."""
         with self.lock:
             return sum(1 for r in self.requests.values() if r.first_token_s is None)
+
+    def num_unfinished(self) -> int:
+        """The front tracks every request until its end (queued here or on a rank)."""
+        with self.lock:
+            return max(len(self.requests), len(self._streams))
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -276,6 +282,8 @@ class DPFront(EngineClient):
                 raise EngineDeadError(self.dead_message())
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
+            if self._draining:  # and so are the ranks (a restarted group's too)
+                raise NoRoomError("this engine is draining: it takes no new requests")
             if self.max_waiting is not None:
                 waiting = sum(1 for r in self.requests.values() if r.first_token_s is None)
                 if waiting >= self.max_waiting:
@@ -324,6 +332,22 @@ class DPFront(EngineClient):
         if isinstance(value, BaseException):
             raise value
         return None if value is None else msgspec.convert(value, Reservation)
+
+    async def drain(self) -> int:
+        """Every rank drains (``GroupSupervisor._drain``); the front takes no new request."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+
+        def on_done(num_migrated: int) -> None:
+            loop.call_soon_threadsafe(_settle, answer, num_migrated)
+
+        with self.lock:
+            if self.error is not None or self._stopped or self._supervisor is None:
+                raise EngineDeadError(self.dead_message())
+            self._draining = True
+            self.commands.append(("drain", on_done))
+        self._supervisor.wake()
+        return await answer
 
     def stop_seqs(self, items: list[tuple[str, int]]) -> None:
         with self.lock:

@@ -39,6 +39,8 @@ from pdinfer.distributed.messages import (
     AbortRequest,
     AddAnswer,
     AddRequest,
+    Drain,
+    Drained,
     Ping,
     RankConfig,
     RankFailed,
@@ -138,6 +140,8 @@ class RankLoop:
             self.engine.abort_request(message.request_id)
         elif isinstance(message, StopSeq):
             self.engine.stop_seq(message.request_id, message.index)
+        elif isinstance(message, Drain):
+            self.channel.send(Drained(self.cfg.rank, self.cfg.generation, self.engine.drain()))
         elif isinstance(message, StopRanks):
             self.stopping = True
         elif not isinstance(message, Ping):
@@ -197,6 +201,7 @@ class RankLoop:
             handoff_bytes=handoffs.get("bytes", 0),
             handoff_seconds=handoffs.get("seconds", 0.0),
             num_handoffs_failed=handoffs.get("failed", 0),
+            draining=self.engine.draining,
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,8 @@ from pdinfer.distributed.launcher import RankLauncher, visible_devices
 from pdinfer.distributed.messages import (
     AddAnswer,
     AgentHello,
+    Drain,
+    Drained,
     Ping,
     RankConfig,
     RankExited,
@@ -55,6 +58,15 @@ class _Rank:
     kv_address: str | None = None  # a CE rank's K/V port
 
 
+@dataclass
+class _DrainWait:
+    """A drain the front asked for, until every rank of the generation answered."""
+
+    on_done: Callable[[int], None]  # called with the requests the ranks sent away
+    ranks: set[int]  # the ranks yet to answer
+    num_migrated: int = 0
+
+
 class GroupSupervisor:
     def __init__(self, front: DPFront):
         self.front, self.options = front, front.options
@@ -65,6 +77,7 @@ class GroupSupervisor:
         self.book = RequestBook(front, self.size, self.options.max_attempts, self._send)
         self.pending: list[str] = []  # request ids waiting for the group, in arrival order
         self.agents: set[bytes] = set()
+        self.drains: list[_DrainWait] = []
         self.failure = FailureCause(CAUSE_GRACE_S)
         self._ever_ready = False
         self._restarts: list[float] = []
@@ -118,6 +131,7 @@ class GroupSupervisor:
             self._go_dead(f"the DP front's I/O thread failed: {exc!r}")
         finally:
             self.launcher.kill()
+            self._settle_drains(every=True)
             self.book.fail_all(self.front.error or EngineDeadError("the DP front was shut down"))
             self.front.ready_event.set()
             self.socket.close()
@@ -144,6 +158,8 @@ class GroupSupervisor:
                 self.ranks[message.rank].stats = message.stats
                 for delta in message.outputs:
                     self.book.on_output(message.rank, delta)
+            elif isinstance(message, Drained):
+                self._on_drained(message)
             elif isinstance(message, RankReady):
                 self._on_ready(message)
             elif isinstance(message, RankFailed):
@@ -163,6 +179,8 @@ class GroupSupervisor:
                 tracked = self.front.requests.get(command[1])
                 if tracked is not None and tracked.rank is not None:
                     self._send(tracked.rank, StopSeq(command[1], command[2]))
+            elif command[0] == "drain":
+                self._drain(command[1])
             else:
                 self._stopping = True
         if self.is_ready and self.pending:
@@ -233,6 +251,8 @@ class GroupSupervisor:
             )
             self.is_ready = self._ever_ready = True
             self.front.ready_event.set()
+            if self.front.draining:  # a generation that replaced a drained one is drained too
+                self._drain()
 
     def _on_agent(self, identity: bytes, hello: AgentHello) -> None:
         logger.info(
@@ -250,6 +270,7 @@ class GroupSupervisor:
         self.front.ready_event.clear()
         self.book.lb.reset()
         now = time.monotonic()
+        self._settle_drains(every=True)  # the failed ranks answer no more; their requests ended
         retry = self.book.settle(reason)
         self.pending = retry + self.pending
         self._restarts = [t for t in self._restarts if now - t < self.options.restart_window_s]
@@ -263,6 +284,32 @@ class GroupSupervisor:
         self._restarts.append(now)
         logger.warning("restarting the DP group (%d requests queued again)", len(retry))
         self._start_generation()
+
+    def _drain(self, on_done: Callable[[int], None] | None = None) -> None:
+        """Drain every rank of the generation; a group not up yet is drained when it is
+        (``_on_ready``). ``on_done``: the front's caller, told once every rank answered."""
+        ranks = set(range(self.size)) if self.is_ready else set()
+        for rank in ranks:
+            self._send(rank, Drain())
+        if on_done is not None:
+            self.drains.append(_DrainWait(on_done, ranks))
+            self._settle_drains()
+
+    def _on_drained(self, message: Drained) -> None:
+        for wait in self.drains:
+            if message.rank in wait.ranks:
+                wait.ranks.discard(message.rank)
+                wait.num_migrated += message.num_migrated
+        self._settle_drains()
+
+    def _settle_drains(self, every: bool = False) -> None:
+        done = [wait for wait in self.drains if every or not wait.ranks]
+        self.drains = [wait for wait in self.drains if wait not in done]
+        for wait in done:
+            try:
+                wait.on_done(wait.num_migrated)
+            except RuntimeError:  # the caller's event loop is closed
+                pass
 
     def _go_dead(self, reason: str) -> None:
         from pdinfer.distributed.dp_group import DPGroupError

@@ -1,9 +1,9 @@
 """Typed messages between the DP front and its rank processes (msgspec JSON, never pickle).
 
 Front -> rank: ``AddRequest``, ``AbortRequest``, ``StopSeq`` (a stop string the front found),
-``StopRanks``, ``Ping``.
+``Drain`` (answered by ``Drained``), ``StopRanks``, ``Ping``.
 Rank -> front: ``RankReady``, ``AddAnswer`` (the engine's answer to an add: a CE's reservation,
-or a refusal), ``StepReport`` (the engine's ``RequestDelta``s -- new token ids, never text --
+or a refusal), ``Drained``, ``StepReport`` (the engine's ``RequestDelta``s -- new token ids, never text --
 plus load, doubling as the heartbeat), ``RankFailed``. Agent <-> front (ranks on another host):
 ``AgentHello``, ``StartGeneration``, ``RankExited``.
 
@@ -42,6 +42,10 @@ class StopSeq(msgspec.Struct, tag="stop_seq"):
     index: int
 
 
+class Drain(msgspec.Struct, tag="drain"):
+    """``LLMEngine.drain()``: take no new request; a CE rank sends its live requests away."""
+
+
 class StopRanks(msgspec.Struct, tag="stop"):
     pass
 
@@ -74,6 +78,7 @@ class RankStats(msgspec.Struct):
     handoff_bytes: int = 0
     handoff_seconds: float = 0.0
     num_handoffs_failed: int = 0
+    draining: bool = False
 
 
 class RankReady(msgspec.Struct, tag="ready"):
@@ -95,6 +100,12 @@ class AddAnswer(msgspec.Struct, tag="answer"):
     answer: dict[str, Any] | None = None
     refused: str | None = None
     error: str | None = None
+
+
+class Drained(msgspec.Struct, tag="drained"):
+    rank: int
+    generation: int
+    num_migrated: int  # the live requests the rank's drain sent away
 
 
 class StepReport(msgspec.Struct, tag="step"):
@@ -159,8 +170,8 @@ def params_to_dict(params: SamplingParams) -> dict[str, Any]:
     return {name: getattr(params, name) for name in params.__dataclass_fields__ if not name.startswith("_")}
 
 
-ToRank = AddRequest | AbortRequest | StopSeq | StopRanks | Ping | StartGeneration
-ToFront = RankReady | AddAnswer | StepReport | RankFailed | AgentHello | RankExited
+ToRank = AddRequest | AbortRequest | StopSeq | Drain | StopRanks | Ping | StartGeneration
+ToFront = RankReady | AddAnswer | Drained | StepReport | RankFailed | AgentHello | RankExited
 
 _encoder = msgspec.json.Encoder()
 _to_rank = msgspec.json.Decoder(ToRank)

@@ -11,8 +11,8 @@ asyncio loop; the stream's ``OutputTracker`` detokenizes there, off the engine l
 string it finds goes back to the engine as ``stop_seq``.
 
 What a server reads: ``role``, ``limits`` (max_model_len, prompt_limit, vocab_size),
-``tokenizer``, ``stats``, ``is_healthy``, ``error``; ``start``/``attach``/``shutdown``;
-``add_request`` -> ``RequestStream``, ``abort``, ``generate``.
+``tokenizer``, ``stats``, ``is_healthy``, ``draining``, ``error``; ``start``/``attach``/``shutdown``;
+``add_request`` -> ``RequestStream``, ``abort``, ``generate``; ``drain``, ``num_unfinished``.
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ class EngineClient:
         self._streams: dict[str, RequestStream] = {}
         self._num_adding = 0
         self._stats = EngineStats()
+        self._draining = False  # this client sent a drain (the engine's stats say so a step later)
 
     # --- what the server reads -------------------------------------------------------------------
     @property
@@ -150,9 +151,21 @@ class EngineClient:
     def is_healthy(self) -> bool:
         raise NotImplementedError
 
+    @property
+    def draining(self) -> bool:
+        """Whether the engine takes no new request: this client drained it, or the engine says
+        it was drained (through another client: another API server of the same core)."""
+        return self._draining or self.stats.draining
+
     def num_waiting(self) -> int:
         """Waiting in the engine plus adds it has not answered yet."""
         return self._stats.num_waiting + self._num_adding
+
+    def num_unfinished(self) -> int:
+        """Requests that have not ended: the engine's, as of its last stats, or this client's
+        open streams if more (a request the engine ended is open here until its last delta
+        was read)."""
+        return max(self.stats.num_requests, len(self._streams))
 
     def debug_ranks(self) -> list[dict]:
         """Per rank of a DP group: its blocks, requests and K/V port (``/debug/kv``); [] for
@@ -167,6 +180,12 @@ class EngineClient:
         """On the server's event loop, before the first request (background readers)."""
 
     def shutdown(self, timeout_s: float | None = 30.0) -> None:
+        raise NotImplementedError
+
+    async def drain(self) -> int:
+        """``LLMEngine.drain()`` where the engine runs: it takes no new request from then on (an
+        add raises ``NoRoomError``), and a CE ends its live requests as migrated (their streams
+        end with ``migrate``). Returns how many requests it sent away; the others finish."""
         raise NotImplementedError
 
     # --- requests --------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 ``pdinfer serve`` starts it (``mp_client.start_engine_core``) and talks to it over one ZeroMQ
 ROUTER socket (an IPC socket on this host) with the typed messages of ``core_messages``. The
 loop never shares its interpreter with HTTP, JSON, SSE or detokenization: it applies what the
-clients sent (adds, aborts, stops), runs ``engine.step_deltas()`` and sends each client one
+clients sent (adds, aborts, stops, a drain), runs ``engine.step_deltas()`` and sends each client one
 ``StepOutputs`` per step with the new tokens of its requests. Several API-server processes may
 be its clients (``--api-server-count``); each request belongs to the client that added it.
 
@@ -27,6 +27,8 @@ from pdinfer.engine.core_messages import (
     Accepted,
     AddRequest,
     CoreFailed,
+    Drain,
+    Drained,
     Hello,
     Ready,
     Refused,
@@ -131,6 +133,8 @@ class EngineCore:
             for request_id, index in message.items:
                 if self.owners.get(request_id) == identity:
                     self.engine.stop_seq(request_id, index)
+        elif isinstance(message, Drain):
+            self._send(identity, Drained(self.engine.drain()))
         elif isinstance(message, Hello):
             self.clients.add(identity)
             self._send(identity, self._ready())

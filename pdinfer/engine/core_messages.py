@@ -2,10 +2,10 @@
 
 Client -> core: ``Hello`` (answered by ``Ready``), ``AddRequest`` (answered by ``Accepted`` or
 ``Refused``), ``AbortRequests``, ``StopSeqs`` (stop strings found on the client side),
-``Shutdown``.
-Core -> client: ``Ready``, ``Accepted``, ``Refused``, ``StepOutputs`` (one per step and client:
-the new tokens of that client's requests, plus the engine's stats; also sent alone as a
-heartbeat), ``CoreFailed``.
+``Drain`` (answered by ``Drained``), ``Shutdown``.
+Core -> client: ``Ready``, ``Accepted``, ``Refused``, ``Drained``, ``StepOutputs`` (one per step
+and client: the new tokens of that client's requests, plus the engine's stats; also sent alone
+as a heartbeat), ``CoreFailed``.
 
 Nothing is ever pickled; every field has a type that msgspec checks on decode.
 """
@@ -43,6 +43,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     # speculative decoding (``DraftPool``), cumulative: drafts verified, and accepted
     num_drafted_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    draining: bool = False  # ``LLMEngine.drain()`` ran: the engine takes no new request
 
     @property
     def kv_usage(self) -> float:
@@ -80,6 +81,7 @@ def take_stats(engine, num_steps: int) -> EngineStats:
         num_handoffs_failed=handoffs.get("failed", 0),
         num_drafted_tokens=pool.num_drafted_tokens if pool is not None else 0,
         num_accepted_draft_tokens=pool.num_accepted_tokens if pool is not None else 0,
+        draining=engine.draining,
     )
 
 
@@ -103,6 +105,10 @@ class AbortRequests(msgspec.Struct, tag="abort"):
 
 class StopSeqs(msgspec.Struct, tag="stop"):
     items: list[tuple[str, int]]  # (request id, output index)
+
+
+class Drain(msgspec.Struct, tag="drain"):
+    """``LLMEngine.drain()``: take no new request; a CE sends its live requests away."""
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -134,6 +140,10 @@ class Refused(msgspec.Struct, tag="refused"):
     message: str
 
 
+class Drained(msgspec.Struct, tag="drained"):
+    num_migrated: int  # the live requests the drain sent away (``LLMEngine.drain``'s count)
+
+
 class StepOutputs(msgspec.Struct, tag="step"):
     deltas: list[RequestDelta]
     stats: EngineStats
@@ -143,8 +153,8 @@ class CoreFailed(msgspec.Struct, tag="failed"):
     error: str
 
 
-ToCore = Hello | AddRequest | AbortRequests | StopSeqs | Shutdown
-ToClient = Ready | Accepted | Refused | StepOutputs | CoreFailed
+ToCore = Hello | AddRequest | AbortRequests | StopSeqs | Drain | Shutdown
+ToClient = Ready | Accepted | Refused | Drained | StepOutputs | CoreFailed
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)

@@ -3,7 +3,7 @@
 For unit tests and for embedding an engine in an asyncio program. (``pdinfer serve`` runs the
 engine in a process of its own, ``mp_client``: a step loop sharing the interpreter with HTTP
 work loses its throughput to the GIL.) The engine is not thread-safe, so only the loop thread
-calls into it: callers queue commands (add, abort, stop) that it applies between steps; each
+calls into it: callers queue commands (add, abort, stop, drain) that it applies between steps; each
 step's deltas go to the asyncio loop(s) of their streams in one ``call_soon_threadsafe``. With
 nothing to do the thread sleeps on a condition variable; it never spins.
 """
@@ -86,6 +86,16 @@ class InProcessEngineClient(EngineClient):
             self.abort(request_id)
             raise
 
+    async def drain(self) -> int:
+        answer: asyncio.Future = asyncio.get_running_loop().create_future()
+        with self._cond:
+            if self.error is not None or self._stopping:
+                raise EngineDeadError(self.dead_message())
+            self._draining = True
+            self._commands.append(("drain", answer))
+            self._cond.notify()
+        return await answer
+
     def abort(self, request_id: str) -> None:
         """Thread-safe; a no-op for a request that already finished."""
         self._command(("abort", request_id))
@@ -153,6 +163,8 @@ class InProcessEngineClient(EngineClient):
             elif kind == "stop":
                 for request_id, index in command[1]:
                     engine.stop_seq(request_id, index)
+            elif kind == "drain":
+                _settle_from_thread(command[1], engine.drain())
             else:
                 _, request_id, prompt, params, extra = command
                 self._add(request_id, prompt, params, extra)
@@ -175,21 +187,8 @@ class InProcessEngineClient(EngineClient):
     def _resolve(self, request_id: str, value) -> None:
         with self._cond:
             answer = self._answers.pop(request_id, None)
-        if answer is None:
-            return
-
-        def settle() -> None:
-            if answer.done():  # the caller went away meanwhile (its abort is queued)
-                return
-            if isinstance(value, BaseException):
-                answer.set_exception(value)
-            else:
-                answer.set_result(value)
-
-        try:
-            answer.get_loop().call_soon_threadsafe(settle)
-        except RuntimeError:  # its event loop is closed: nobody is listening any more
-            self.engine.abort_request(request_id)
+        if answer is not None and not _settle_from_thread(answer, value):
+            self.engine.abort_request(request_id)  # nobody is listening any more
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[RequestDelta]] = defaultdict(list)
@@ -213,6 +212,28 @@ class InProcessEngineClient(EngineClient):
         with self._cond:
             self._loops.clear()
             pending = list(self._answers)
+            drains = [command[1] for command in self._commands if command[0] == "drain"]
         for request_id in pending:
             self._resolve(request_id, error)
+        for answer in drains:
+            _settle_from_thread(answer, error)
         self._fail_all(error)
+
+
+def _settle_from_thread(answer: asyncio.Future, value) -> bool:
+    """Settle ``answer`` (a result, or an exception to raise) on its event loop, from the loop
+    thread; False if that event loop is closed."""
+
+    def settle() -> None:
+        if answer.done():  # the caller went away meanwhile (an add's abort is queued)
+            return
+        if isinstance(value, BaseException):
+            answer.set_exception(value)
+        else:
+            answer.set_result(value)
+
+    try:
+        answer.get_loop().call_soon_threadsafe(settle)
+    except RuntimeError:
+        return False
+    return True

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import msgspec
@@ -35,6 +36,8 @@ from pdinfer.engine.core_messages import (
     Accepted,
     AddRequest,
     CoreFailed,
+    Drain,
+    Drained,
     Hello,
     Ready,
     Refused,
@@ -153,6 +156,7 @@ class MPEngineClient(EngineClient):
         self.kv_address = ready.kv_address
         self._socket: zmq.asyncio.Socket | None = None
         self._answers: dict[str, asyncio.Future] = {}
+        self._drains: deque[asyncio.Future] = deque()  # the core answers drains in order
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -204,6 +208,15 @@ class MPEngineClient(EngineClient):
         finally:
             self._answers.pop(request_id, None)
 
+    async def drain(self) -> int:
+        if not self.is_healthy:
+            raise EngineDeadError(self.dead_message())
+        answer = asyncio.get_running_loop().create_future()
+        self._drains.append(answer)
+        self._draining = True
+        self._send(Drain())
+        return await answer
+
     def abort(self, request_id: str) -> None:
         if self._socket is not None and self.error is None:
             self._send(AbortRequests([request_id]))
@@ -232,6 +245,10 @@ class MPEngineClient(EngineClient):
                 self._settle(message.request_id, message.reservation)
             elif isinstance(message, Refused):
                 self._settle(message.request_id, refusal_error(message.kind, message.message))
+            elif isinstance(message, Drained) and self._drains:
+                answer = self._drains.popleft()
+                if not answer.done():
+                    answer.set_result(message.num_migrated)
             elif isinstance(message, CoreFailed):
                 self._die(EngineDeadError(message.error))
                 return
@@ -258,7 +275,8 @@ class MPEngineClient(EngineClient):
         logger.error("%s", error)
         self.error = error
         answers, self._answers = self._answers, {}
-        for answer in answers.values():
+        drains, self._drains = self._drains, deque()
+        for answer in [*answers.values(), *drains]:
             if not answer.done():
                 answer.set_exception(EngineDeadError(str(error)))
         self._fail_all(error)

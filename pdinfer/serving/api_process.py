@@ -5,19 +5,29 @@ itself; with ``--api-server-count N`` it starts N - 1 more of these processes, e
 the same socket (inherited) and each a client of the same core. JSON, SSE and detokenization
 then spread over N interpreters while the core's step loop keeps one of its own.
 
+SIGTERM with ``--drain-timeout-s``: only ``serve``'s own process, the core's owner, drains the
+core (one ``Drain``, whoever else got the signal), still answering meanwhile; then it stops
+these processes and the core as before. One of these that gets the signal (a SIGTERM to the
+whole group) stops accepting and gives its open responses as long to end: the drain ends them.
+
     python -m pdinfer.serving.api_process   (an ``APIServerConfig`` as JSON on stdin; the
                                              API key stays off argv)
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
+from types import FrameType
 
 import msgspec
+import uvicorn
 
 from pdinfer import env
 from pdinfer.engine.core_messages import Ready
@@ -36,6 +46,7 @@ class APIServerConfig(msgspec.Struct):
     listen_fd: int
     parent_pid: int
     index: int  # 1 .. N-1 (0 is ``serve``'s own process)
+    drain_timeout_s: float = 0.0  # how long open responses may take to end after a SIGTERM
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -49,19 +60,69 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_on(app, sock: socket.socket) -> None:
+def serve_on(
+    app,
+    sock: socket.socket,
+    before_stop: Callable[[], Awaitable[object]] | None = None,
+    grace_s: float | None = None,
+) -> None:
     """Run the app's uvicorn server on an already bound socket. SIGTERM stops it as Ctrl-C does,
     and then ends the process through the callers' ``finally`` blocks (the engine core stopped,
     its socket folder removed): uvicorn raises the signal it caught again once it has stopped,
-    and the default action of SIGTERM would end the process on the spot."""
+    and the default action of SIGTERM would end the process on the spot.
+
+    ``before_stop``: what a SIGTERM runs first, while the server still answers (``serve`` drains
+    its engine); a second SIGTERM, or Ctrl-C, stops at once. ``grace_s``: how long responses
+    still open when the server stops may take to end (uvicorn's default: 5 s)."""
     from pdinfer.serving.frontend import http_server
 
     host, port = sock.getsockname()[:2]
+    server = http_server(app, host, port)
+    if grace_s is not None:
+        server.config.timeout_graceful_shutdown = max(server.config.timeout_graceful_shutdown or 0, math.ceil(grace_s))
+    if before_stop is not None:
+        server = _StopsAfter(server.config, before_stop)
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        http_server(app, host, port).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class _StopsAfter(uvicorn.Server):
+    """A uvicorn server whose first SIGTERM runs ``before_stop`` on its event loop, then stops it."""
+
+    def __init__(self, config: uvicorn.Config, before_stop: Callable[[], Awaitable[object]]):
+        super().__init__(config)
+        self.before_stop = before_stop
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Future | None = None
+        self._signalled = False
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or self._signalled or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._signalled = True
+        self._loop.call_soon_threadsafe(self._run_before_stop)  # not from inside a signal handler
+
+    def _run_before_stop(self) -> None:
+        self._task = asyncio.ensure_future(self.before_stop())
+        self._task.add_done_callback(self._stop)
+
+    def _stop(self, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("before stopping: %r", task.exception())
+        self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._task is not None:  # a second signal stops it at once
+            self._task.cancel()
+        await super().shutdown(sockets)
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -109,7 +170,7 @@ def main() -> int:
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s pdinfer[api{cfg.index}]: %(message)s"))
     client = MPEngineClient(cfg.core_address, cfg.ready, max_waiting=cfg.max_waiting)
     app = build_app(client, cfg.served_model_name, cfg.api_key, cfg.max_body_bytes, cfg.protect_metrics)
-    serve_on(app, socket.socket(fileno=cfg.listen_fd))
+    serve_on(app, socket.socket(fileno=cfg.listen_fd), grace_s=cfg.drain_timeout_s or None)
     return 0
 
 

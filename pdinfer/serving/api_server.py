@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API of one engine: ``build_app(async_engine, served_model_name)``.
 
 POST /v1/completions, POST /v1/chat/completions (both with ``stream``), GET /v1/models,
-GET /health, GET /metrics (Prometheus), GET /debug/kv. Bad input is a 4xx in OpenAI's error
-shape, never a 500. A client that goes away (stream or not) aborts its requests.
+GET /health, GET /metrics (Prometheus), GET /debug/kv, POST /admin/drain (``admin``). Bad input
+is a 4xx in OpenAI's error shape, never a 500. A client that goes away (stream or not) aborts
+its requests.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from fastapi.responses import JSONResponse, Response
 
 from pdinfer.engine.client import EngineClient, EngineDeadError, EngineOverloadedError, RequestStream
 from pdinfer.engine.output_tracker import ChoiceDelta
+from pdinfer.engine.pd_common import NoRoomError
 from pdinfer.serving import protocol
+from pdinfer.serving.admin import add_admin_routes
 from pdinfer.serving.frontend import (
     DEFAULT_MAX_BODY_BYTES,
     BodyLimit,
@@ -99,6 +102,8 @@ class OpenAIServer:
                 type="not_implemented",
                 code="role_not_servable",
             )
+        if self.engine.draining:
+            raise _draining_error()
 
     # --- running requests ------------------------------------------------------------------------
     async def _start(self, prefix: str, prompts: list[dict], params, body, show_ids: bool) -> _Generation:
@@ -118,6 +123,8 @@ class OpenAIServer:
                 raise bad_request(str(exc), param=body.param_of(str(exc))) from None
             if isinstance(exc, EngineOverloadedError):
                 raise APIError(503, str(exc), type="server_overloaded", code="overloaded") from None
+            if isinstance(exc, NoRoomError):  # drained meanwhile, or through another API server
+                raise _draining_error() from None
             if isinstance(exc, EngineDeadError):
                 raise APIError(503, str(exc), type="server_error", code="engine_dead") from None
             raise
@@ -231,12 +238,16 @@ class OpenAIServer:
         return protocol.one_model((await self.models())["data"], model_id)
 
     async def health(self) -> Response:
-        if self.engine.is_healthy:
-            return JSONResponse({"status": "ok", "role": self.engine.role.name.lower()})
-        return JSONResponse({"status": "unhealthy", "error": repr(self.engine.error)}, status_code=503)
+        role = self.engine.role.name.lower()
+        if not self.engine.is_healthy:
+            return JSONResponse({"status": "unhealthy", "error": repr(self.engine.error)}, status_code=503)
+        if self.engine.draining:  # a router's health checks take it out of rotation
+            return JSONResponse({"status": "draining", "role": role}, status_code=503)
+        return JSONResponse({"status": "ok", "role": role})
 
     async def render_metrics(self) -> Response:
-        body, content_type = self.metrics.render(self.engine.stats, self.engine.is_healthy)
+        engine = self.engine
+        body, content_type = self.metrics.render(engine.stats, engine.is_healthy, engine.draining)
         return Response(body, media_type=content_type)
 
     async def debug_kv(self) -> dict:
@@ -261,7 +272,8 @@ def build_app(
 ) -> FastAPI:
     """The app of one engine. The caller starts and shuts down ``async_engine``; the app
     attaches it to its event loop (``EngineClient.attach``) when it starts. ``api_key`` guards
-    /v1/* and /pd/*, and with ``protect_metrics`` /metrics and /debug/* too; /health is open."""
+    /v1/*, /pd/* and /admin/*, and with ``protect_metrics`` /metrics and /debug/* too; /health
+    is open."""
     server = OpenAIServer(async_engine, served_model_name, api_key)
 
     @contextlib.asynccontextmanager
@@ -284,11 +296,16 @@ def build_app(
     watch = auth if protect_metrics else None
     app.add_api_route("/metrics", server.render_metrics, methods=["GET"], dependencies=watch)
     app.add_api_route("/debug/kv", server.debug_kv, methods=["GET"], dependencies=watch)
+    add_admin_routes(app, async_engine, dependencies=auth)
     if async_engine.role.handoff_side is not None:
         from pdinfer.serving.pd_server import add_pd_routes
 
         add_pd_routes(app, async_engine, dependencies=auth)
     return app
+
+
+def _draining_error() -> APIError:
+    return APIError(503, "this engine is draining: it takes no new requests", type="server_overloaded", code="draining")
 
 
 async def _pump(i: int, stream: RequestStream, queue: asyncio.Queue) -> None:

@@ -74,7 +74,15 @@ class ServerMetrics(RequestLatencyMetrics):
             PREFIX + "prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.", registry=r
         )
         self.preemptions = Gauge(PREFIX + "num_preemptions", "Preemptions since start.", registry=r)
+        self.migrated = Gauge(
+            PREFIX + "num_requests_migrated",
+            "Requests this engine gave up for another engine to continue (drained, out of KV blocks), since start.",
+            registry=r,
+        )
         self.healthy = Gauge(PREFIX + "engine_healthy", "1 while the engine loop runs.", registry=r)
+        self.draining = Gauge(
+            PREFIX + "engine_draining", "1 once the engine was drained: it takes no new request.", registry=r
+        )
         # A gauge per cumulative PE hand-off stat (the engine counts; we copy at scrape time).
         self.handoffs = Gauge(PREFIX + "kv_handoffs", "K/V hand-offs the CE confirmed (PE).", registry=r)
         self.handoff_bytes = Gauge(PREFIX + "kv_handoff_bytes", "K/V bytes handed over (PE).", registry=r)
@@ -91,7 +99,7 @@ class ServerMetrics(RequestLatencyMetrics):
         )
         info.labels(model=model_name, role=role).set(1)
 
-    def render(self, stats: EngineStats, healthy: bool) -> tuple[bytes, str]:
+    def render(self, stats: EngineStats, healthy: bool, draining: bool) -> tuple[bytes, str]:
         self.num_waiting.set(stats.num_waiting)
         self.num_running.set(stats.num_running + stats.num_prompted)
         self.kv_usage.set(stats.kv_usage)
@@ -99,7 +107,9 @@ class ServerMetrics(RequestLatencyMetrics):
         self.total_blocks.set(stats.num_total_blocks)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
         self.preemptions.set(stats.num_preemptions)
+        self.migrated.set(stats.num_migrated)
         self.healthy.set(1 if healthy else 0)
+        self.draining.set(1 if draining else 0)
         self.handoffs.set(stats.num_handoffs)
         self.handoff_bytes.set(stats.handoff_bytes)
         self.handoff_seconds.set(stats.handoff_seconds)

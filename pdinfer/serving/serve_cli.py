@@ -5,11 +5,19 @@ OpenAI-compatible HTTP API. The web stack and the engine are imported only when 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
 
-from pdinfer.cli_args import add_engine_args, engine_args_from, parse_size, positive_int, served_model_name
+from pdinfer.cli_args import (
+    add_engine_args,
+    engine_args_from,
+    non_negative_seconds,
+    parse_size,
+    positive_int,
+    served_model_name,
+)
 from pdinfer.distributed.cli_args import add_dp_args
 from pdinfer.engine_type import EngineType
 from pdinfer.kv_transfer.cli_args import add_kv_transfer_args, kv_transfer_from
@@ -37,7 +45,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer <key>' on /v1/* and /pd/* (default: PDINFER_API_KEY, else none)",
+        help="require 'Authorization: Bearer <key>' on /v1/*, /pd/* and /admin/* (default: PDINFER_API_KEY, else none)",
     )
     p.add_argument(
         "--protect-metrics",
@@ -64,6 +72,14 @@ def add_serve_parser(subparsers) -> None:
         type=parse_size,
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies are answered 413 (default 8MiB)",
+    )
+    p.add_argument(
+        "--drain-timeout-s",
+        type=non_negative_seconds,
+        default=30.0,
+        help="on SIGTERM, first drain the engine as POST /admin/drain does (no new requests; a "
+        "completion engine's requests move to other engines through the router), waiting at most "
+        "this long for its requests to end, then stop (0: stop at once; Ctrl-C always does)",
     )
     p.add_argument(
         "--prefill-attempt-interval",
@@ -115,7 +131,12 @@ def _engine_args(args: argparse.Namespace):
 
 
 def _serve_core(args: argparse.Namespace) -> int:
-    """The engine core in a process of its own, ``--api-server-count`` API servers in front."""
+    """The engine core in a process of its own, ``--api-server-count`` API servers in front.
+
+    On SIGTERM this process, which runs API server 0 and owns the core, is the one that drains
+    it (``--drain-timeout-s``): the other API servers never send a drain, so a SIGTERM to the
+    whole group drains the core once. They stop accepting and keep their open responses until
+    the drain has ended them; then this process stops them and the core."""
     from pdinfer.engine.client import EngineDeadError
     from pdinfer.engine.mp_client import MPEngineClient, start_engine_core
     from pdinfer.serving.api_process import (
@@ -149,11 +170,12 @@ def _serve_core(args: argparse.Namespace) -> int:
             sock.fileno(),
             os.getpid(),
             0,
+            args.drain_timeout_s,
         )
         servers = start_api_servers(cfg, args.api_server_count)
         app = build_app(client, name, args.api_key, args.max_body_bytes, args.protect_metrics)
         _announce(args, name, client.role, core.ready.kv_address)
-        serve_on(app, sock)
+        serve_on(app, sock, before_stop=_drain_on_sigterm(args, client))
     finally:
         stop_api_servers(servers)
         core.stop()
@@ -169,10 +191,19 @@ def _serve_in_process(args: argparse.Namespace, engine) -> int:
     engine.start()
     _announce(args, name, engine.role, None)
     try:
-        serve_on(app, listening_socket(args.host, args.port))
+        serve_on(app, listening_socket(args.host, args.port), before_stop=_drain_on_sigterm(args, engine))
     finally:
         engine.shutdown()
     return 0
+
+
+def _drain_on_sigterm(args: argparse.Namespace, engine):
+    """What SIGTERM runs before serve stops (``api_process.serve_on``), unless --drain-timeout-s 0."""
+    if not args.drain_timeout_s:
+        return None
+    from pdinfer.serving.admin import drain_before_stop
+
+    return functools.partial(drain_before_stop, engine, args.drain_timeout_s)
 
 
 def _announce(args, name: str, role: EngineType, kv_address: str | None) -> None:
