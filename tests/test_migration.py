@@ -176,3 +176,37 @@ def test_the_client_side_goes_on_from_what_its_client_saw(tokenizer):
     assert seen + "".join(d.text for d in shown) == expected
     assert [t for d in shown for t in d.token_ids] == tokens[cut : len(shown[0].token_ids) + cut]
     assert after.output().outputs[0].text == expected
+
+
+def test_a_request_that_leaves_a_ce_waits_in_the_kv_store(pair, prompt_ids, reference, tmp_path):
+    """A CE with a KV store saves the full blocks of a request it gives up (here a stopped
+    preemption: a 12-block CE, two requests that outgrow it), and a PE that recomputes the
+    request loads them instead of computing them: its output is still transformers'."""
+    store = str(tmp_path / "store")
+    small_ce = CompletionEngine(
+        EngineArgs(engine_type="completion", num_kv_blocks=12, max_model_len=512, kv_store=store)
+    )
+    store_pe = PrefillEngine(EngineArgs(engine_type="prompt", kv_cache_memory=MEM, max_model_len=512, kv_store=store))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+        ids = [prompt_ids[3], prompt_ids[6]]  # 12 blocks hold one of them to its end, not both
+        first = PDPair(pair.pe, small_ce)
+        for i, p in enumerate(ids):
+            first.add_request(f"leave-{i}", {"prompt_token_ids": p}, params)
+        outs = run(first)
+        given_up = [i for i in range(2) if outs[f"leave-{i}"].outputs[0].finish_reason == "error"]
+        assert len(given_up) == 1, [o.outputs[0].finish_reason for o in outs.values()]
+        victim = given_up[0]
+        so_far = outs[f"leave-{victim}"].outputs[0].token_ids
+        assert small_ce.kv_store.flush(timeout=30)
+        assert_blocks_back(small_ce)
+        second = PDPair(store_pe, pair.ce)
+        second.add_request("back", {"prompt_token_ids": ids[victim]}, params, resume=Resume(so_far))
+        out = run(second)["back"].outputs[0]
+        assert out.token_ids == reference(ids[victim], params.max_tokens)
+        computed = len(ids[victim]) + len(so_far) - 1  # whose K/V was computed before it left
+        assert store_pe.kv_store.stats()["loaded_blocks"] >= computed // 16 - 1
+        assert_blocks_back(store_pe)
+    finally:
+        small_ce.shutdown()
+        store_pe.shutdown()

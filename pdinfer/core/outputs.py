@@ -15,6 +15,9 @@ class SchedulerOutputs:
     do_sample: list[bool] = field(default_factory=list)  # False for a prompt chunk short of the end
     ignored_seqs: list[Sequence] = field(default_factory=list)
     preempted_seqs: list[Sequence] = field(default_factory=list)
+    # Stopped preemptions (stop_preempted_request): each with the blocks it held, freed in this
+    # plan but not yet written by it, so the KV store may still copy them (request migration).
+    given_up: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     finished_seqs: list[Sequence] = field(default_factory=list)  # to finalize this step
     clone_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before forward
     clone_states: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) state slots

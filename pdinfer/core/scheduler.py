@@ -406,6 +406,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, outputs: SchedulerOutputs) -> None:
         self.running.remove(seq)
+        if self.config.stop_preempted_request:
+            outputs.given_up.append((seq, list(seq.block_table)))
         self.block_manager.free(seq)
         self._free_state(seq)
         self._release_draft_slot(seq)

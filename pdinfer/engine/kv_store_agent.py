@@ -179,6 +179,18 @@ class KVStoreAgent:
                 for key in chunk_keys:
                     self._remember(key)
 
+    def save_leaving(self, leaving: list[tuple[Sequence, list[int]]]) -> None:
+        """Save the full blocks of sequences that leave this engine for another (request
+        migration), so the PE that recomputes them loads these instead. ``leaving``: each with
+        the blocks it held, which the scheduler may have freed already: the copies are queued
+        before the next step is launched, so nothing has written those blocks yet."""
+        for seq, blocks in leaving:
+            held, seq.block_table = seq.block_table, blocks
+            try:
+                self.save([], [seq])
+            finally:
+                seq.block_table = held
+
     def _unsaved_blocks(self, jobs: list[tuple[Sequence, int]]) -> tuple[list[int], list[bytes]]:
         """(block ids, keys) of the full blocks past each job's start that the store lacks."""
         block_ids, keys, seen = [], [], set()

@@ -342,6 +342,9 @@ class LLMEngine:
         if not self.role.migrates_on_drain:
             return 0
         live = list(self.requests.values())
+        if self.kv_store is not None:  # the PE that recomputes them loads these instead
+            leaving = [s for state in live for s in state.seqs if s.block_table and not s.is_finished]
+            self.kv_store.save_leaving([(seq, seq.block_table) for seq in leaving])
         for state in live:
             state.migrate = MIGRATE_DRAIN
             self.abort_request(state.request_id)
@@ -416,7 +419,8 @@ class LLMEngine:
         state = self.requests.get(request_id)
         if state is None:
             return
-        self.num_aborted += 1
+        if state.migrate is None:  # a request sent elsewhere is counted as migrated, not aborted
+            self.num_aborted += 1
         self.scheduler.abort(request_id)
         for seq in state.seqs:
             if not seq.is_finished:  # not in the scheduler (e.g. a CE sequence not yet enqueued)

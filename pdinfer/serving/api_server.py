@@ -243,7 +243,8 @@ class OpenAIServer:
             return JSONResponse({"status": "unhealthy", "error": repr(self.engine.error)}, status_code=503)
         if self.engine.draining:  # a router's health checks take it out of rotation
             return JSONResponse({"status": "draining", "role": role}, status_code=503)
-        return JSONResponse({"status": "ok", "role": role})
+        # num_steps: a router tells a busy engine (stepping) from a stuck one by it
+        return JSONResponse({"status": "ok", "role": role, "num_steps": self.engine.stats.num_steps})
 
     async def render_metrics(self) -> Response:
         engine = self.engine

@@ -183,6 +183,7 @@ def _children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
         for i in range(count):
             port = free_port()
             cmd = [*pdinfer, "serve", "--role", role, "--host", "127.0.0.1", "--port", str(port), *flags]
+            cmd += ["--drain-timeout-s", "0"]  # launch stops the whole cluster: nowhere to migrate to
             device = devices[len(children)]
             if device is not None:
                 cmd += ["--device", device]

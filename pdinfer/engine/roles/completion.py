@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import ClassVar
 
+from pdinfer.core.outputs import SchedulerOutputs
 from pdinfer.engine.pd_common import KVTransferConfig, NoRoomError, Reservation, kv_layout
 from pdinfer.engine.roles.base import EngineView, Role
 from pdinfer.engine_type import EngineType
@@ -124,6 +125,11 @@ class CompletionRole(Role):
 
     def begin_step(self) -> None:
         self._accept_arrivals()
+
+    def post_schedule(self, plan: SchedulerOutputs) -> None:
+        kv_store = self.engine.kv_store
+        if kv_store is not None and plan.given_up:  # before this step may write their blocks
+            kv_store.save_leaving(plan.given_up)
 
     def waits_on_peers(self) -> bool:
         return bool(self.reservations) or bool(self.quarantined)
