@@ -106,3 +106,11 @@ class Server:
             if kv["free_blocks"] == kv["total_blocks"] or time.monotonic() > deadline:
                 return kv
             time.sleep(0.2)
+
+
+def wait_for(condition, what: str, timeout_s: float = 120, interval_s: float = 0.2) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        time.sleep(interval_s)

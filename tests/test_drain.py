@@ -21,7 +21,7 @@ import openai
 import pytest
 from conftest import PROMPTS
 from openai_errors import CHAT, assert_openai_error, post_json
-from servers import Server
+from servers import Server, wait_for
 
 from pdinfer import EngineArgs, LLMEngine, SamplingParams
 from pdinfer.engine.inproc_client import InProcessEngineClient
@@ -49,18 +49,11 @@ def cluster(tmp_path_factory):
         for server in (pe, *ces):
             server.wait_healthy()
         router.start()
-        _wait_for(lambda: all(e["healthy"] for e in _engines_seen(router)), "every engine in rotation")
+        wait_for(lambda: all(e["healthy"] for e in _engines_seen(router)), "every engine in rotation")
         yield {"router": router, "pe": pe, "ces": ces}
     finally:
         for server in (router, pe, *ces):
             server.stop()
-
-
-def _wait_for(condition, what: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        time.sleep(0.1)
 
 
 def _engines_seen(router: Server) -> list[dict]:
@@ -153,7 +146,7 @@ def test_a_drained_ce_hands_its_streams_to_the_other_ce(cluster):
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_room", refused.text
     assert _metric(victim, r"pdinfer_engine_draining ") == 1
     assert _metric(victim, r"pdinfer_num_requests_migrated ") == drained["migrated"]
-    _wait_for(lambda: not next(e for e in _engines_seen(router) if e["url"] == victim.url)["healthy"], "ejected")
+    wait_for(lambda: not next(e for e in _engines_seen(router) if e["url"] == victim.url)["healthy"], "ejected")
     for server in (pe, *ces):
         kv = server.wait_blocks_back()
         assert kv["free_blocks"] == kv["total_blocks"], (server.args, kv)
@@ -199,7 +192,7 @@ def test_a_drained_engine_finishes_what_it_holds_and_refuses_the_rest(tmp_path):
     server = Server(args, tmp_path / "serve.log").start()
     try:
         thread, result = _stream_in_background(server.url, PROMPTS[0], 160, key)
-        _wait_for(lambda: result["text"] or not thread.is_alive(), "the first tokens")
+        wait_for(lambda: result["text"] or not thread.is_alive(), "the first tokens")
         assert httpx.post(f"{server.url}/admin/drain", timeout=30).status_code == 401
         answer = httpx.post(
             f"{server.url}/admin/drain?timeout_s=300", headers={"Authorization": f"Bearer {key}"}, timeout=330
@@ -232,7 +225,7 @@ def test_sigterm_drains_first_then_serve_exits_cleanly(tmp_path):
     server = Server(args, tmp_path / "serve.log", env={"PDINFER_LOG_LEVEL": "INFO"}).start()
     try:
         thread, result = _stream_in_background(server.url, PROMPTS[1], 160, "unused")
-        _wait_for(lambda: result["text"] or not thread.is_alive(), "the first tokens")
+        wait_for(lambda: result["text"] or not thread.is_alive(), "the first tokens")
         os.killpg(server.proc.pid, signal.SIGTERM)
         assert server.proc.wait(180) == 0, server.log()
         thread.join(60)

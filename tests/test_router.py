@@ -20,7 +20,7 @@ import tool_checks
 from conftest import PROMPTS
 from fake_engines import FakeCE, ScriptedEngine
 from openai_errors import assert_openai_error, check_malformed_inputs, post_json
-from servers import Server, free_port, pdinfer_command
+from servers import Server, free_port, pdinfer_command, wait_for
 
 from pdinfer.core.block_manager import ROOT_HASH, chain_hash
 from pdinfer.serving.load_balancer import (
@@ -137,13 +137,6 @@ def cluster(tmp_path_factory):
     finally:
         for server in (router, pe, *ces):  # ces[1] may have been replaced by a restart
             server.stop()
-
-
-def wait_for(condition, what: str, timeout_s: float = 120):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        time.sleep(0.2)
 
 
 def engines_seen(router_url: str) -> list[dict]:
