@@ -210,3 +210,35 @@ def test_a_request_that_leaves_a_ce_waits_in_the_kv_store(pair, prompt_ids, refe
     finally:
         small_ce.shutdown()
         store_pe.shutdown()
+
+
+def test_the_router_resumes_what_each_output_has_and_nothing_that_ended():
+    """The router's record of a job (``PDJob``): n = 3, output 1 finished, outputs 0 and 2 were
+    given up by their CE after some tokens (they reach the record without a finish). The next
+    attempts resume output 0, then output 2, each alone (n = 1) from its own tokens and text,
+    with the job's fixed seed and no prompt log-probs."""
+    import asyncio
+
+    from pdinfer.serving.pd_protocol import OutputDelta
+    from pdinfer.serving.router_pd import PDJob
+
+    job = PDJob(0, "r", [1, 2, 3], {"n": 3, "max_tokens": 9, "prompt_logprobs": 2}, asyncio.Queue())
+    seed = job.sampling["seed"]
+    assert isinstance(seed, int)  # an unseeded request gets one, so a resumed output keeps its stream
+    job.start_attempt()
+    assert job.resume is None and job.body()["sampling"]["n"] == 3 and "resume" not in job.body()
+    job.deliver([OutputDelta(0, "a", [10]), OutputDelta(1, "b", [20]), OutputDelta(2, "cc", [30])])
+    job.deliver([OutputDelta(0, "d", [11], None), OutputDelta(1, "e", [21], "length")])
+    job.deliver([OutputDelta(2, "f", [31])])
+    assert not job.done
+    job.start_attempt()
+    body = job.body()
+    assert body["resume"] == {"token_ids": [10, 11], "index": 0, "num_shown_chars": 2}
+    assert body["sampling"] == {"n": 1, "max_tokens": 9, "prompt_logprobs": None, "seed": seed}
+    assert body["request_id"] == "r-a2"
+    job.deliver([OutputDelta(0, "g", [12], "length")])
+    job.start_attempt()
+    assert job.body()["resume"] == {"token_ids": [30, 31], "index": 2, "num_shown_chars": 3}
+    job.deliver([OutputDelta(2, "h", [32], "stop")])
+    assert job.done and job.next_resume() is None
+    assert [job.progress[i].token_ids for i in range(3)] == [[10, 11, 12], [20, 21], [30, 31, 32]]
