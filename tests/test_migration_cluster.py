@@ -2,7 +2,8 @@
 request. A CE short of KV blocks gives requests up and the router resumes them on a CE
 (through a PE that prefills prompt + tokens so far); a CE killed mid-stream loses its streams'
 engine, not the streams. Each answer equals a NORMAL engine's, token for token (greedy), and
-every engine's KV blocks are free afterwards. (The engine side is in test_migration.py.)"""
+every engine's KV blocks are free afterwards. A drained CE hands its streams on, then restarts.
+(The engine side is in test_migration.py; serve's drain and SIGTERM alone in test_drain.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import httpx
 import openai
 import pytest
 from conftest import make_llm
-from servers import Server
+from servers import Server, wait_for
 
 from pdinfer import SamplingParams
 
@@ -95,9 +96,10 @@ async def _complete(url: str, prompt: list[int], stream: bool, on_tokens=None) -
         return ids, finishes[0]
 
 
-def _migrations(router: Server) -> float:
+def _migrations(router: Server, reason: str = r"[^\"]*") -> float:
     text = httpx.get(f"{router.url}/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(r"^pdinfer_router_migrations_total\{[^}]*\} (\S+)", text, re.M))
+    pattern = rf'^pdinfer_router_migrations_total\{{reason="{reason}"\}} (\S+)'
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
 
 
 def _assert_all_blocks_free(*servers: Server) -> None:
@@ -127,6 +129,58 @@ def test_a_short_ce_cache_loses_no_request(cluster, prompts, expected):
     _assert_all_blocks_free(cluster["pe"], *cluster["ces"])
 
 
+def test_a_drained_ce_hands_its_streams_to_the_other_ce(cluster, prompts, expected):
+    """16 streams through the router with two CEs; once each has tokens, the CE holding the
+    most blocks is drained (``POST /admin/drain``): its streams go on through the PE and the
+    other CE with no error, each ends with "length" and a NORMAL engine's tokens. The drained
+    CE said how many requests it sent away and that none is left, answers /health and
+    /pd/decode with 503, and the router takes it out of rotation. (Then it is restarted: the
+    router takes it back, and the PE shakes hands with its new instance.)"""
+    router, pe, ces = cluster["two_ces"], cluster["pe"], cluster["ces"]
+    chosen = prompts[:16]
+    before = _migrations(router, "drain")
+    counts = [0] * len(chosen)
+
+    async def drained_midway():
+        tasks = [
+            asyncio.ensure_future(_complete(router.url, p, True, lambda n, i=i: counts.__setitem__(i, n)))
+            for i, p in enumerate(chosen)
+        ]
+        deadline = time.monotonic() + TIMEOUT_S
+        while min(counts) < 1 and not any(t.done() for t in tasks):  # every stream has tokens
+            assert time.monotonic() < deadline, counts
+            await asyncio.sleep(0.05)
+        used = [ce.kv()["free_blocks"] for ce in ces]
+        victim = ces[0] if used[0] <= used[1] else ces[1]
+        answer = await asyncio.to_thread(httpx.post, f"{victim.url}/admin/drain", json={"timeout_s": 120}, timeout=180)
+        return victim, answer, await asyncio.gather(*tasks)
+
+    victim, answer, results = asyncio.run(asyncio.wait_for(drained_midway(), TIMEOUT_S))
+    assert answer.status_code == 200, answer.text
+    drained = answer.json()
+    assert drained["draining"] is True and drained["remaining"] == 0, drained
+    assert drained["migrated"] > 0, "the drained CE sent no request away (had every stream ended before the drain?)"
+    assert [finish for _, finish in results] == ["length"] * len(chosen)
+    assert [ids for ids, _ in results] == expected[:16]
+    assert _migrations(router, "drain") - before >= 1
+    health = httpx.get(f"{victim.url}/health", timeout=10)
+    assert (health.status_code, health.json()["status"]) == (503, "draining")
+    refused = httpx.post(
+        f"{victim.url}/pd/decode", json={"request_id": "after-drain", "prompt_token_ids": [1, 2, 3]}, timeout=30
+    )
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_room", refused.text
+    wait_for(lambda: not _in_rotation(router, victim), "the drained CE out of rotation")
+    _assert_all_blocks_free(pe, *ces)
+    victim.stop()  # a rolling restart: the same CE, a new instance
+    victim.start()
+    wait_for(lambda: _in_rotation(router, victim), "the restarted CE back in rotation")
+
+
+def _in_rotation(router: Server, engine: Server) -> bool:
+    seen = httpx.get(f"{router.url}/debug/engines", timeout=10).json()
+    return next(e for e in seen if e["url"] == engine.url)["healthy"]
+
+
 def test_streams_outlive_a_ce_killed_mid_stream(cluster, prompts, expected):
     """Two CEs; once every stream has tokens, the CE holding the most requests is killed
     (SIGKILL): each of its streams goes on from what its client has, through the PE and the
@@ -134,6 +188,7 @@ def test_streams_outlive_a_ce_killed_mid_stream(cluster, prompts, expected):
     router, (ce0, ce1), pe = cluster["two_ces"], cluster["ces"], cluster["pe"]
     chosen = prompts[:8]
     counts = [0] * len(chosen)
+    before = _migrations(router, "decode_engine_failed")
 
     def seen(i):
         return lambda n: counts.__setitem__(i, n)
@@ -152,5 +207,5 @@ def test_streams_outlive_a_ce_killed_mid_stream(cluster, prompts, expected):
     victim, results = asyncio.run(asyncio.wait_for(run_all(), TIMEOUT_S))
     assert [finish for _, finish in results] == ["length"] * len(chosen)
     assert [ids for ids, _ in results] == expected[:8]
-    assert _migrations(router) > 0
+    assert _migrations(router, "decode_engine_failed") > before, "no stream lost its CE: the kill came too late"
     _assert_all_blocks_free(pe, *[ce for ce in (ce0, ce1) if ce is not victim])
