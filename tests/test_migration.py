@@ -101,8 +101,9 @@ def test_each_output_of_n_resumes_on_its_own_random_stream(normal, prompt_ids):
     outputs = run(normal)["n3"].outputs
     one = params.clone(n=1)
     for out in outputs:
-        resumed = _generate(normal, f"n3-{out.index}", ids, one, Resume(out.token_ids[:5], index=out.index))
-        assert resumed.index == out.index and resumed.token_ids == out.token_ids
+        for cut in (0, 5):  # 0: an output that had no token yet when its request left
+            resumed = _generate(normal, f"n3-{out.index}-{cut}", ids, one, Resume(out.token_ids[:cut], out.index))
+            assert resumed.index == out.index and resumed.token_ids == out.token_ids
 
 
 def test_a_structured_output_resumed_mid_json_is_still_valid(normal, pair, tokenizer):

@@ -300,7 +300,8 @@ class LLMEngine:
         )
         seq.grammar = grammar
         if resume is not None:
-            _resume(seq, resume, self._check_token_ids(resume.token_ids))
+            # an output of n > 1 may have had no token yet when its request left
+            _resume(seq, resume, self._check_token_ids(resume.token_ids) if resume.token_ids else [])
         self.scheduler.admit(seq)  # refuses what the KV cache can never hold (before anything is kept)
         state = RequestState(request_id, text, token_ids, params, [seq])
         if arrival_time is not None:

@@ -19,11 +19,10 @@ client's answer goes on with no gap, repeat or error, and greedy or seeded outpu
 unmigrated run (the job's seed is fixed here, so an unseeded request keeps its random stream).
 An attempt that brought tokens and then ended (the CE ran out of blocks, was drained, died) is
 a migration, never counted against ``max_attempts``; one that brought none is a retry, as
-before. With ``n > 1``, the outputs still running
-when a CE gave up are resumed one after another. A request that succeeded leaves the PE's
-answer to come in the background: the CE's output can be complete before the CE's ack
-reached the PE, and closing the connection then would make the PE abort a hand-off that went
-through.
+before. With ``n > 1``, the outputs still running when a CE gave up are resumed one after
+another. A request that succeeded leaves the PE's answer to come in the background: the CE's
+output can be complete before the CE's ack reached the PE, and closing the connection then
+would make the PE abort a hand-off that went through.
 """
 
 from __future__ import annotations
@@ -46,8 +45,8 @@ from pdinfer.serving.router_pool import EnginePool, RouterMetrics
 logger = logging.getLogger("pdinfer")
 
 _NO_ROOM_BACKOFF_S = 0.05
-# A full PE (503 no_room), or a CE that ran out of blocks and stopped the request before the
-# client saw a token: wait for room within --queue-timeout-s, without counting an attempt.
+# A full PE (503 no_room), or a CE that gave the request up (out of blocks, drained) before it
+# had sent a token: wait for room, without counting an attempt (``PDDriver._stalled`` bounds it).
 _BACK_PRESSURE = ("prefill_full", "decode_preempted", "drain")
 _BACKGROUND_GRACE_S = 2.0  # at shutdown, how long PE answers still to come may take
 
