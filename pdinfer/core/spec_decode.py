@@ -27,9 +27,9 @@ import numpy as np
 from pdinfer.sequence import Sequence
 
 # Steps of more decoding sequences than this draft nothing (``DraftPool.max_batch``): there every
-# extra row costs about what a sequence's row does (2-core Xeon: a 64-sequence batch lost 7 %
-# drafting text that does not repeat; H200, 8B shape: a verifying step of 64 sequences x 4 rows
-# took 2.1x a plain one), and a plain step keeps zero-overhead scheduling's overlap.
+# extra row costs about what a sequence's row does, on the CPU and the GPU alike
+# (docs/performance.md#measurements-behind-design-choices), and a plain step keeps zero-overhead
+# scheduling's overlap.
 MAX_DRAFT_BATCH = 16
 
 

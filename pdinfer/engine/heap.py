@@ -1,19 +1,18 @@
 """Python's cyclic garbage collector against the engine loop.
 
 A full collection scans every long-lived object. After start-up that is the imported libraries
-and the model, about 345,000 objects with the default model, and one full collection took about
-170 ms on the 2-core Xeon; a 3.4 s offline run of 256 sequences met two of them (10 % of its
-wall time), and on a GPU every such pause is a gap in the device's work. The objects that exist
-once an engine is built live as long as it does, so the loop leaves them out of collections
-(``gc.freeze``), as vLLM's and SGLang's engine processes do.
+and the model, hundreds of thousands of objects, so a full collection is a pause a run notices,
+and on a GPU every such pause is a gap in the device's work
+(docs/performance.md#measurements-behind-design-choices). The objects that exist once an engine
+is built live as long as it does, so the loop leaves them out of collections (``gc.freeze``), as
+vLLM's and SGLang's engine processes do.
 
 The loop also raises the young generation's threshold (``LOOP_GC_THRESHOLD``). A decode step
 makes thousands of short-lived containers (sample specs, deltas, each request's cumulative
 output with a copy of its token ids) that reference counting frees by the end of the step; at
 the default threshold of 700 the collector still ran several times a step and walked the
-live ones, long token lists included. With 256 sequences 1,500 tokens into their outputs
-that was a third of the host's work a step on the 2-core Xeon, 7.8 ms against 5.2 with the
-raised threshold (``python benchmarks/host_step.py``). Cycles are still collected, later.
+live ones, long token lists included: at large batches a good share of the host's work a step
+(``python benchmarks/host_step.py``). Cycles are still collected, later.
 """
 
 from __future__ import annotations

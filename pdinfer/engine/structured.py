@@ -3,9 +3,10 @@ an EBNF grammar (``SamplingParams.structured_outputs``, vLLM's kinds and names).
 
 The grammar engine is xgrammar (Apache-2.0; the default of vLLM and SGLang). It was chosen over
 llguidance and outlines-core because it runs the same on CPU and GPU hosts (the mask is computed
-on the host, in C++, in about 0.1 ms a token here), compiles a JSON schema in milliseconds, and
-needs nothing from us but the tokenizer. Its token masks are bit sets, one bit per vocabulary
-entry; ``Sampler`` applies them with plain torch on the logits' device.
+on the host, in C++, fast enough for a decode step: docs/performance.md), compiles a JSON
+schema in milliseconds, and needs nothing from us but the tokenizer. Its token masks are bit
+sets, one bit per vocabulary entry; ``Sampler`` applies them with plain torch on the logits'
+device.
 
 - ``GrammarCompiler`` compiles (cached per spec) and refuses an invalid schema, regex or grammar
   with a ``ValueError`` naming the problem: the request is a 400 at admission.

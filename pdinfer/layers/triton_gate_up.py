@@ -6,24 +6,13 @@ and the matching up tile in one program (the same rows of ``x`` feed both dots, 
 product: cuBLAS's tile shape on Hopper) and stores ``silu(gate) * up`` only. It is a persistent
 Triton GEMM over tensor descriptors (TMA).
 
-Where it runs (``applies``, ``config_for``), from ``benchmarks/gpu_gemm_silu.py`` on H100s
-(2026-12-06, the 8B shape, CUDA-graph replays; fused against cuBLAS, or cuBLASLt up to 512 rows
-as in the decode graphs, then ``silu_and_mul``; each row count with its launch settings):
-
-| rows | 1 | 8 | 32 | 64 | 96 | 128 | 256 | 512 | 2,048 | 4,096 | 8,192 |
-|---|---|---|---|---|---|---|---|---|---|---|---|
-| fused, us | 89 | 83 | 83 | 85 | 93 | 92 | 114 | 205 | 710 | 1,441 | 2,727 |
-| the pair, us | 84 | 85 | 87 | 90 | 94 | 95 | 120 | 210 | 788 | 1,561 | 3,107 |
-
-So it runs from ``FIRST_ROWS`` rows up, in three launch settings: ``SMALL_M`` up to
-``SMALL_M_ROWS`` rows (narrow tiles: the weight streams through every multiprocessor),
-``MID_M`` up to ``MID_M_ROWS`` (large decode batches, small prefills) and ``LARGE_M`` above
-(its GEMM alone runs at 706 TFLOP/s at 8,192 rows against cuBLAS's 720). Below ``FIRST_ROWS``
-the pair stays: cuBLAS's kernels for a row or a few are faster. The 96-512 row columns are
-``MID_M``'s (15:44; 128 x 128 tiles with three stages, ``LARGE_M``, tied the pair at 256 rows:
-120 us). In the engine (``benchmarks/gpu_floor.py``, variants ``-silu-gemm`` and ``-silu-mid``):
-prefill 4 x 2048 and 1 x 8,191 1-2 points of the matmul rate higher, the batch-64 decode graph
-2 % shorter, the batch-256 graph 1 % (``MID_M``).
+Where it runs (``applies``, ``config_for``): from ``FIRST_ROWS`` rows up, in three launch
+settings: ``SMALL_M`` up to ``SMALL_M_ROWS`` rows (narrow tiles: the weight streams through every
+multiprocessor), ``MID_M`` up to ``MID_M_ROWS`` (large decode batches, small prefills) and
+``LARGE_M`` above. Below ``FIRST_ROWS`` the pair stays: cuBLAS's kernels for a row or a few are
+faster. The bounds come from timing each setting against the pair, alone
+(``benchmarks/gpu_gemm_silu.py``) and in the engine (``benchmarks/gpu_floor.py``); the figures
+are in docs/performance.md#measurements-behind-design-choices.
 
 Rounding is the pair's: the GEMM's float32 sums rounded to the model's dtype, then ``silu``,
 then the product, each rounded as ``silu_and_mul`` does; only the GEMM's order of summation is

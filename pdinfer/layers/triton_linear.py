@@ -4,27 +4,14 @@ A decode step of a few dozen rows reads each weight once and does little arithme
 a linear is as fast as its weight streams through the multiprocessors. cuBLASLt (the decode
 graphs' library) runs the 8B shape's qkv_proj and o_proj below the copy rate at 64 rows; this
 kernel, the plain-GEMM twin of ``triton_gate_up`` (64-row tiles, 64 columns and 128 of K a step,
-six stages in flight), streams them faster. Measured alone on H100s
-(``benchmarks/gpu_thin_gemm.py``, 2026-12-06 19:25 and 19:45, CUDA-graph replays, best setting
-against cuBLASLt):
+six stages in flight), streams them faster.
 
-| linear (N x K) | 24 rows | 40 rows | 64 rows | 256 rows |
-|---|---|---|---|---|
-| qkv_proj (6,144 x 4,096) | 22.2 / 21.3 us | 20.9 / 21.9 | 20.9 / 21.9 | 27.6 / 25.0 |
-| o_proj (4,096 x 4,096) | 14.3 / 8.4 | 13.0 / 8.8 | 9.4 / 10.9 | 16.9 / 18.9 |
-| lm_head (128,256 x 4,096) | 359 / 381 | 358 / 384 | 360 / 387 | 494 / 463 |
-| down_proj (4,096 x 14,336) | | | 43.7 / 43.1 | 62.3 / 62.3 |
-
-(o_proj's 34 MB weight stays in L2 between replays, hence cuBLASLt's times under the copy
-floor of 11.1 us; in a step the attention's K/V pass through L2 in between.) o_proj on this
-kernel up to 256 rows, faster alone there, made the batch-256 graph slower in the engine
-(15.72 against 15.61 ms, H100, 2026-12-06 21:21), so 256-row steps keep cuBLASLt. So the kernel
-takes the logits projection (``WIDE``: 128-column tiles, three stages) from ``MIN_ROWS`` to
-``MAX_ROWS`` rows, and qkv_proj and o_proj from ``NARROW_MIN_ROWS``; the model calls ``linear``
-for those three. down_proj keeps ``nn.Linear``, and so does every linear of other row counts.
-In the engine (``gpu_floor.py --variants new,-triton-linear,...``, two H100s, alternating): the
-batch-64 decode graph 7.98-8.08 ms against 8.11-8.14, tok/s 84.4-85.2 % of the floor against
-83.8-84.3 %; greedy tokens equal.
+So the kernel takes the logits projection (``WIDE``: 128-column tiles, three stages) from
+``MIN_ROWS`` to ``MAX_ROWS`` rows, and qkv_proj and o_proj from ``NARROW_MIN_ROWS``; the model
+calls ``linear`` for those three. down_proj keeps ``nn.Linear`` (no faster on this kernel), and so
+does every linear of other row counts. 256-row steps keep cuBLASLt: o_proj on this kernel is
+faster there alone but made the batch-256 graph slower in the engine. The figures are in
+docs/performance.md#measurements-behind-design-choices.
 
 Each output element is one program's float32 sum over K in ``block_k`` steps, rounded once to
 the model's dtype, as cuBLAS's unsplit kernels do.

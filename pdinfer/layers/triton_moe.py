@@ -58,8 +58,8 @@ SHARED_MEMORY_BYTES = 220 * 1024  # below the H100/H200's 227 KiB a block, with 
 
 def _fit_shared_memory(cfg: MoEKernelConfig, element_bytes: int) -> MoEKernelConfig:
     """The tables are for 2-byte elements; float32 tiles are twice the bytes (a 32-row, 3-stage
-    config needed 240 KiB on the H200 and did not launch): fewer pipeline stages until the
-    gate/up kernel's tiles fit."""
+    config needs 240 KiB, more than a block may have, and does not launch): fewer pipeline stages
+    until the gate/up kernel's tiles fit."""
     stages = cfg.num_stages
     per_stage = (cfg.block_m * cfg.block_k + 2 * cfg.block_k * cfg.block_n) * element_bytes
     while stages > 1 and stages * per_stage > SHARED_MEMORY_BYTES:

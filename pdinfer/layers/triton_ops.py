@@ -30,9 +30,10 @@ def next_pow2(n: int) -> int:
 # Launch option of the kernels that rotate (``rotate_halves``, ``rotate_full``): no contraction
 # of a multiply and an add into one FMA. HF's bf16 rotary rounds each product to bf16 before the
 # sum; with contraction allowed, the compiler turns round(x * cos) - round(y * sin) into one bf16
-# FMA that skips the first rounding, and 17 % of an 8B model's rotated K differed from
-# transformers' by one bf16 step on an H100 (2026-12-06; the interpreter, which the CPU tests run,
-# never contracts). benchmarks/gpu_floor.py checks the kernels against torch on the device.
+# FMA that skips the first rounding, and the rotated K then differs from transformers' by a bf16
+# step (docs/performance.md#measurements-behind-design-choices). The interpreter, which the CPU
+# tests run, never contracts, so benchmarks/gpu_floor.py checks the kernels against torch on the
+# device.
 ROUNDED_PRODUCTS = {"enable_fp_fusion": False}
 
 if HAS_TRITON:

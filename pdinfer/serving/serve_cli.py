@@ -25,8 +25,9 @@ from pdinfer.kv_transfer.cli_args import add_kv_transfer_args, kv_transfer_from
 logger = logging.getLogger("pdinfer")
 
 # A served engine's requests arrive one at a time; 70 decode steps between prefill attempts (the
-# DP vote's default, made for groups) kept each new arrival waiting up to 70 steps. On one H200
-# (8B shape, 64 streams) 70 served 58 % of the offline rate, 4 served 92 % (docs/performance.md).
+# DP vote's default, made for groups) kept each new arrival waiting up to 70 steps, and `serve`
+# fell far behind the offline rate; a short interval closes most of the gap
+# (docs/performance.md#measurements-behind-design-choices).
 SERVE_PREFILL_ATTEMPT_INTERVAL = 4
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # the same as serving.frontend's (not imported: it pulls in the web stack)
 

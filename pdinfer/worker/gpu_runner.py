@@ -111,9 +111,9 @@ class GpuRunner(RunnerBase):
         """One block of a prompt after a cached block, on a scratch cache: Triton compiles the
         prefill attention of chunks over a cached prefix (prefix hits, chunked prompts, prefills
         beside decodes) here, at start-up. The KV profile's step is a fresh prompt, which takes
-        the other kernel (``triton_prefill``); until 2026-12-06 the first such chunk compiled it in
-        the middle of serving, a stall of a second or more (the offline run of
-        serve_vs_offline.py at 64 streams: 3,775 tok/s, TTFT p50 0.59 s, on an H100)."""
+        the other kernel (``triton_prefill``); without this the first such chunk would compile it
+        in the middle of serving, a stall that costs throughput and TTFT
+        (docs/performance.md#measurements-behind-design-choices)."""
         scratch = CacheEngine(self.spec, 2, block_size, self.kv_dtype, self.device)
         step = builder.build(
             StepInput(
@@ -155,10 +155,10 @@ class GpuRunner(RunnerBase):
         self.graphs = CudaGraphRunner(
             self.model, cache, max_rows, max_blocks, self.num_sms, self.decode_programs, self.batch_invariant
         )
-        # Decode graphs hold cuBLASLt's GEMMs: at decode sizes they ran the 8B shape's layer 6 %
-        # faster than cuBLAS's (down_proj without a split-K reduce), a batch-64 step 6.15 ->
-        # 5.93 ms on the H200; eager prefill keeps cuBLAS, no faster on cuBLASLt (2026-12-04,
-        # benchmarks/gpu_attention_variants.py). The choice is the process's: set for the capture only.
+        # Decode graphs hold cuBLASLt's GEMMs: at decode sizes they are faster than cuBLAS's
+        # (down_proj without a split-K reduce); eager prefill keeps cuBLAS, no faster on cuBLASLt
+        # (docs/performance.md#measurements-behind-design-choices). The choice is the process's:
+        # set for the capture only.
         previous = torch.backends.cuda.preferred_blas_library()
         torch.backends.cuda.preferred_blas_library("cublaslt")
         try:

@@ -286,8 +286,8 @@ def prefill_attention(
     # fp32 tiles are twice the bytes: 128 x 128 K/V tiles in two stages need 256 KiB of shared
     # memory at head_dim 128, above the H200's 227 KiB; half-width key tiles fit.
     block_n = cfg["block_n"] if q.element_size() <= 2 else 64
-    # A third stage of 16-bit 128 x 128 tiles fits (224 KiB at head_dim 128) and measured 3-5 %
-    # faster on the H200; fp32 tiles and wider heads keep two.
+    # A third stage of 16-bit 128 x 128 tiles fits (224 KiB at head_dim 128) and is faster
+    # (docs/performance.md#measurements-behind-design-choices); fp32 tiles and wider heads keep two.
     stages = cfg["num_stages"] if q.element_size() <= 2 and d_pad <= 128 else 2
     bt = meta.block_tables
     kernels.prefill_kernel[(meta.num_work, h)](
@@ -378,8 +378,8 @@ class TritonPagedAttention:
         rotates_q = fresh and rotary is not None and self.fresh_rotates_q and fresh_rotary_supported(*rotary)
         q_rotary = rotary if rotates_q else None
         # At decode the attention kernel rotates and writes the new K/V itself (one launch); FP8
-        # caches keep the pair (at batch 256 the one launch was 4 % slower on them and 1.5 %
-        # faster on bf16: docs/performance.md).
+        # caches keep the pair: on them the one launch is slower
+        # (docs/performance.md#measurements-behind-design-choices).
         fused = None
         if meta.is_decode and rotary is not None and self.decode_writes_kv and not is_fp8(layer_cache):
             fused = DecodeRotary(k, v, rotary[0], rotary[1], meta.slot_mapping)
