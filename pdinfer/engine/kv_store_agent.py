@@ -19,7 +19,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +33,12 @@ from pdinfer.kv_store.store import KVStore, layout_namespace
 from pdinfer.sequence import Sequence
 
 if TYPE_CHECKING:
-    from pdinfer.engine.llm_engine import LLMEngine
+    from pdinfer.config import EngineArgs
+    from pdinfer.core.block_manager import BlockManager
+    from pdinfer.core.scheduler import Scheduler
+    from pdinfer.kv_transfer.protocol import KVLayout
+    from pdinfer.worker.cache_engine import CacheEngine
+    from pdinfer.worker.executor import StepExecutor
 
 logger = logging.getLogger("pdinfer")
 
@@ -42,31 +49,42 @@ _KNOWN_KEYS = 1 << 16  # keys known to be stored: saves skip them without asking
 _KNOWN_TTL_S = 10.0  # ...for this long (the store may evict them meanwhile)
 
 
+@dataclass(frozen=True)
+class StoreSite:
+    """What the agent works with, from its engine: the blocks and their cache, the scheduler
+    (its queues), the step executor (copies in step order), and the role's policy
+    (``Role.loads_kv_store``, ``saves_kv_store``)."""
+
+    block_manager: BlockManager
+    cache: CacheEngine
+    scheduler: Scheduler
+    executor: StepExecutor
+    loads: bool
+    saves: bool
+
+
 class KVStoreAgent:
     def __init__(
         self,
-        engine: LLMEngine,
+        site: StoreSite,
         store: KVStore,
         save_interval_tokens: int = 0,
         max_pending_save_bytes: int | None = None,
     ):
-        self.engine = engine
         self.store = store
-        self.block_manager = engine.block_manager
-        self.cache = engine.model_runner.require_cache()
+        self.block_manager, self.cache = site.block_manager, site.cache
+        self.scheduler, self.executor = site.scheduler, site.executor
         self.block_size = self.block_manager.block_size
         self.save_interval_tokens = save_interval_tokens
-        # The role's policy (``Role.loads_kv_store``, ``saves_kv_store``): a CE never prefills, so
-        # never loads; a PE's prompts are saved by their CE. Loaded blocks reach a prefill only
-        # through the prefix cache.
-        role = engine.role
-        self.loads = role.loads_kv_store and self.block_manager.enable_prefix_caching
-        if role.loads_kv_store and not self.loads:
+        # A CE never prefills, so never loads; a PE's prompts are saved by their CE. Loaded
+        # blocks reach a prefill only through the prefix cache.
+        self.loads = site.loads and self.block_manager.enable_prefix_caching
+        if site.loads and not self.loads:
             logger.warning("KV store: prefix caching is off, so this engine never loads from the store")
-        max_blocks = self.block_manager.blocks_for(engine.scheduler_config.max_model_len)
+        max_blocks = self.block_manager.blocks_for(self.scheduler.config.max_model_len)
         self.loader = BlockLoader(store, self.cache, max_blocks) if self.loads else None
         self.saver = None
-        if role.saves_kv_store:
+        if site.saves:
             if max_pending_save_bytes is None:
                 max_pending_save_bytes = min(
                     MAX_PENDING_SAVE_BYTES, max(MIN_PENDING_SAVE_BYTES, max_blocks * self.cache.bytes_per_block)
@@ -80,22 +98,20 @@ class KVStoreAgent:
         self.load_seconds = 0.0  # engine-thread time spent looking up and reading the store
 
     @classmethod
-    def create(cls, engine: LLMEngine) -> KVStoreAgent | None:
-        """The agent ``engine.args`` asks for (``kv_store``), or None."""
-        args = engine.args
+    def create(cls, args: EngineArgs, layout: Callable[[], KVLayout], site: StoreSite) -> KVStoreAgent | None:
+        """The agent ``args.kv_store`` asks for, or None; ``layout``: the engine's K/V layout
+        (the store's namespace: engines of another layout never share blocks)."""
         if not args.kv_store:
             return None
-        from pdinfer.engine.pd_common import kv_layout
-
         store = open_store(
             args.kv_store,
-            layout_namespace(kv_layout(engine)),
-            engine.cache_config.block_size,
+            layout_namespace(layout()),
+            site.block_manager.block_size,
             args.kv_store_bytes,
             args.kv_store_memory_bytes,
         )
         logger.info("KV store %s (%s)", args.kv_store, store.namespace)
-        return cls(engine, store, args.kv_store_save_interval_tokens)
+        return cls(site, store, args.kv_store_save_interval_tokens)
 
     # --- load ------------------------------------------------------------------------------------
     def load_waiting(self) -> None:
@@ -104,7 +120,7 @@ class KVStoreAgent:
         loader = self.loader  # None unless self.loads
         if loader is None:
             return
-        scheduler = self.engine.scheduler
+        scheduler = self.scheduler
         self._looked_up &= {seq.seq_id for seq in scheduler.waiting}
         budget = scheduler.config.max_num_batched_tokens
         for seq in list(scheduler.waiting):
@@ -141,7 +157,7 @@ class KVStoreAgent:
         bm, cache = self.block_manager, self.cache
         block_ids = bm.allocate_blocks(len(keys))
         # In step order: after any step or copy still using these blocks, before the next forward.
-        write = self.engine.executor.submit_call(cache.write_blocks, block_ids, blocks)
+        write = self.executor.submit_call(cache.write_blocks, block_ids, blocks)
         bm.adopt_cached_blocks(block_ids, keys)
         self.loaded_blocks += len(block_ids)
         for key in keys:
@@ -163,8 +179,8 @@ class KVStoreAgent:
                 ):
                     jobs.append((seq, done))
         block_ids, keys = self._unsaved_blocks(jobs)
-        if len(self._saved_upto) > 2 * self.engine.scheduler_config.max_num_seqs:
-            running = {seq.seq_id for seq in self.engine.scheduler.running}
+        if len(self._saved_upto) > 2 * self.scheduler.config.max_num_seqs:
+            running = {seq.seq_id for seq in self.scheduler.running}
             self._saved_upto = {k: v for k, v in self._saved_upto.items() if k in running}
         for i in range(0, len(block_ids), _SAVE_CHUNK_BLOCKS):  # leading blocks first
             ids, chunk_keys = block_ids[i : i + _SAVE_CHUNK_BLOCKS], keys[i : i + _SAVE_CHUNK_BLOCKS]
@@ -174,7 +190,7 @@ class KVStoreAgent:
                 return
             # Behind the step in flight (which may still write these blocks), before
             # finalize_seq can free them and any later step reuse them.
-            copy = self.engine.executor.submit_call(self.cache.read_blocks_async, ids)
+            copy = self.executor.submit_call(self.cache.read_blocks_async, ids)
             if self.saver.submit(SaveJob(chunk_keys, copy, nbytes)):
                 for key in chunk_keys:
                     self._remember(key)

@@ -26,7 +26,6 @@ import os
 from array import array
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,14 +37,14 @@ from pdinfer.core.outputs import SchedulerOutputs
 from pdinfer.core.scheduler import Scheduler
 from pdinfer.core.state_manager import StateManager
 from pdinfer.engine.detokenizer import Detokenizer
-from pdinfer.engine.kv_store_agent import KVStoreAgent
+from pdinfer.engine.kv_store_agent import KVStoreAgent, StoreSite
 from pdinfer.engine.output_processor import OutputProcessor
 from pdinfer.engine.output_tracker import OutputTracker
-from pdinfer.engine.pd_common import NoRoomError, Reservation
+from pdinfer.engine.pd_common import NoRoomError, Reservation, kv_layout
 from pdinfer.engine.request import RequestState, fork_seed
 from pdinfer.engine.roles import Role, make_role
 from pdinfer.engine.speculative import build_draft_pool, decode_graph_rows, mtp_cache_layers
-from pdinfer.engine.step_builder import StepBuilder
+from pdinfer.engine.step_builder import InFlight, StepBuilder
 from pdinfer.engine.step_log import StepLog
 from pdinfer.engine_type import EngineType
 from pdinfer.models.loader import load_tokenizer, resolve_model
@@ -55,21 +54,10 @@ from pdinfer.moe.sharding import expert_group_of
 from pdinfer.outputs import MIGRATE_DRAIN, RequestDelta, RequestOutput, Resume
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence, SequenceStatus
-from pdinfer.worker.executor import StepExecutor, StepFuture
+from pdinfer.worker.executor import StepExecutor
 from pdinfer.worker.runner import StepRunner, make_runner
-from pdinfer.worker.step_input import StepInput
 
 logger = logging.getLogger("pdinfer")
-
-
-@dataclass
-class InFlight:
-    plan: SchedulerOutputs
-    inp: StepInput
-    owners: list[tuple[Sequence, int]]
-    future: StepFuture
-    prompt_owners: list[tuple[Sequence, int]]  # (sequence, its rows of prompt log-probs)
-    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> the drafts it verifies
 
 
 class LLMEngine:
@@ -106,10 +94,25 @@ class LLMEngine:
         self.eplb: ExpertLoadBalancer | None = None  # MoE with expert parallelism or replicas
         if self.model_runner.moe_layers:
             self.eplb = ExpertLoadBalancer(self.model_runner.moe_layers, self.moe_config, expert_group, self.executor)
-        self.kv_store = KVStoreAgent.create(self)  # None unless EngineArgs.kv_store is set
+        site = StoreSite(
+            self.block_manager,
+            self.model_runner.require_cache(),
+            self.scheduler,
+            self.executor,
+            self.role.loads_kv_store,
+            self.role.saves_kv_store,
+        )
+        self.kv_store = KVStoreAgent.create(engine_args, lambda: kv_layout(self), site)  # None without kv_store
         self.step_builder = StepBuilder()
-        self.output_processor = OutputProcessor(self)
         self.requests: dict[str, RequestState] = {}
+        self.output_processor = OutputProcessor(
+            self.requests,
+            self.scheduler,
+            self.scheduler_config.max_model_len,
+            self.role.first_tokens_only,
+            report=self._report,
+            forget_seq=self.forget_seq,
+        )
         self.num_aborted = 0  # live requests aborted (client disconnects included), cumulative
         self.num_migrated = 0  # requests that ended here to be continued elsewhere, cumulative
         self.draining = False  # ``drain()``: new requests are refused

@@ -8,25 +8,37 @@ string completes (``LLMEngine.stop_seq``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from pdinfer.core.outputs import SchedulerOutputs
+from pdinfer.core.scheduler import Scheduler
 from pdinfer.core.spec_decode import num_accepted
 from pdinfer.engine.request import RequestState, fork_seed
 from pdinfer.engine.speculative import observe_hidden
+from pdinfer.engine.step_builder import InFlight
 from pdinfer.outputs import PromptLogprobs, RequestDelta
 from pdinfer.sequence import Sequence, SequenceStatus
 from pdinfer.worker.step_input import StepResult
 
-if TYPE_CHECKING:
-    from pdinfer.engine.llm_engine import InFlight, LLMEngine
-
 
 class OutputProcessor:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    """Given what it works on by its engine: the requests, the scheduler, and two callbacks,
+    ``report`` (a request's delta, made and forgotten when finished) and ``forget_seq`` (an
+    ended sequence's step-builder state)."""
+
+    def __init__(
+        self,
+        requests: dict[str, RequestState],
+        scheduler: Scheduler,
+        max_model_len: int,
+        first_tokens_only: bool,
+        report: Callable[[RequestState], RequestDelta],
+        forget_seq: Callable[[Sequence], None],
+    ):
+        self.requests, self.scheduler, self.max_model_len = requests, scheduler, max_model_len
         # A PE only samples first tokens for a CE: no stop checks, no forks (the CE does both).
-        self.first_tokens_only = engine.role.first_tokens_only
+        self.first_tokens_only = first_tokens_only
+        self.report, self.forget_seq = report, forget_seq
 
     def abort(self, seq: Sequence) -> None:
         seq.finish(SequenceStatus.FINISHED_ABORTED)
@@ -35,14 +47,14 @@ class OutputProcessor:
         """Deltas for sequences the scheduler itself ended (too long, preempted and stopped)."""
         touched: dict[str, RequestState] = {}
         for seq in plan.ignored_seqs + [s for s in plan.preempted_seqs if s.is_finished]:
-            self.engine.forget_seq(seq)  # ended without finalize_seq (its blocks are free)
-            state = self.engine.requests.get(seq.request_id)
+            self.forget_seq(seq)  # ended without finalize_seq (its blocks are free)
+            state = self.requests.get(seq.request_id)
             if state is None:
                 continue
             if seq.num_output_tokens == 0 or seq.index == 0 and len(state.seqs) == 1:
                 state.expected_seqs = len(state.seqs)  # no forks will come
             touched[state.request_id] = state
-        return [self.engine._report(state) for state in touched.values()]
+        return [self.report(state) for state in touched.values()]
 
     def process(self, inflight: InFlight, result: StepResult) -> list[RequestDelta]:
         touched: dict[str, RequestState] = {}
@@ -52,7 +64,7 @@ class OutputProcessor:
                 seq.num_pending_tokens -= 1
         if inflight.prompt_owners:
             self._add_prompt_logprobs(inflight.prompt_owners, result)
-        requests = self.engine.requests
+        requests = self.requests
         index, owners = 0, inflight.owners
         while index < len(owners):
             seq, copy = owners[index]
@@ -72,10 +84,10 @@ class OutputProcessor:
                 self._apply_token(state, seq, copy, result, index)
                 touched[state.request_id] = state
             index += num_rows
-        pool = self.engine.scheduler.draft_pool
+        pool = self.scheduler.draft_pool
         if pool is not None and result.hidden is not None:
             observe_hidden(pool, inflight, result)  # the MTP drafter's input
-        return [self.engine._report(state) for state in touched.values()]
+        return [self.report(state) for state in touched.values()]
 
     def _apply_token(self, state: RequestState, seq: Sequence, copy: int, result: StepResult, index: int) -> None:
         token = result.token_ids[index]
@@ -102,10 +114,10 @@ class OutputProcessor:
             self._after_token(seq, token)
             if seq.is_finished:
                 break
-        pool = self.engine.scheduler.draft_pool
+        pool = self.scheduler.draft_pool
         if pool is not None:
             pool.record(seq, len(drafts), accepted)
-        self.engine.scheduler.rollback_drafts(seq)
+        self.scheduler.rollback_drafts(seq)
 
     @staticmethod
     def _add_prompt_logprobs(prompt_owners: list[tuple[Sequence, int]], result: StepResult) -> None:
@@ -139,7 +151,7 @@ class OutputProcessor:
     def accept_first_tokens(self, seq: Sequence, tokens: list[int], logprobs: dict[int, float] | None = None) -> None:
         """A CE takes over a sequence whose first token(s) a PE sampled: the same stop checks
         and (for n > 1) the same forks a NORMAL engine would have made."""
-        state = self.engine.requests[seq.request_id]
+        state = self.requests[seq.request_id]
         for copy, token in enumerate(tokens):
             target = seq
             if copy == 0:
@@ -152,7 +164,7 @@ class OutputProcessor:
             self._after_token(target, token)
 
     def _fork(self, state: RequestState, parent: Sequence, copy: int, token: int) -> Sequence:
-        child = self.engine.scheduler.fork_seq(
+        child = self.scheduler.fork_seq(
             parent, replace_last_token_id=token, index=copy, seed=fork_seed(parent.seed, copy)
         )
         child.num_cached_tokens = parent.num_cached_tokens
@@ -180,14 +192,14 @@ class OutputProcessor:
             # The mask allowed it, so this is a bug, not the client's fault: end the output.
             seq.error = f"the structured-output grammar refused token {token}"
             seq.finish(SequenceStatus.FINISHED_ABORTED)
-            self.engine.scheduler.finish_seq(seq)
+            self.scheduler.finish_seq(seq)
             return
         status = self._check_stop(seq, token)
         if status is None and seq.grammar is not None and seq.grammar.ended:
             status = SequenceStatus.FINISHED_STOPPED  # the match is complete
         if status is not None:
             seq.finish(status)
-            self.engine.scheduler.finish_seq(seq)
+            self.scheduler.finish_seq(seq)
 
     def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
         if token in seq.eos_token_ids:
@@ -199,6 +211,6 @@ class OutputProcessor:
         # Known tokens only: with zero-overhead scheduling a later token may already be in flight.
         if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
-        if len(seq.token_ids) >= self.engine.scheduler_config.max_model_len:
+        if len(seq.token_ids) >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None

@@ -20,7 +20,7 @@ from pdinfer.config import EngineArgs
 from pdinfer.core.spec_decode import Drafter, DraftPool, NgramDrafter, max_verify_rows
 
 if TYPE_CHECKING:
-    from pdinfer.engine.llm_engine import InFlight
+    from pdinfer.engine.step_builder import InFlight
     from pdinfer.worker.runner import StepRunner
     from pdinfer.worker.step_input import StepResult
 

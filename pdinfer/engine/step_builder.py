@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from pdinfer.core.outputs import SchedulerOutputs
 from pdinfer.engine.request import fork_seed
 from pdinfer.sequence import Sequence
+from pdinfer.worker.executor import StepFuture
 from pdinfer.worker.step_input import PENDING_TOKEN, SampleSpec, StepInput
+
+
+@dataclass
+class InFlight:
+    """A launched step: its plan, its input, the sequences each sampled row belongs to, and
+    the future of its result (the output processor reads it back)."""
+
+    plan: SchedulerOutputs
+    inp: StepInput
+    owners: list[tuple[Sequence, int]]
+    future: StepFuture
+    prompt_owners: list[tuple[Sequence, int]]  # (sequence, its rows of prompt log-probs)
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> the drafts it verifies
 
 
 class StepBuilder:
