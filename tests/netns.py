@@ -152,7 +152,9 @@ def socket_in(netns: str) -> socket.socket:
 
     thread = threading.Thread(target=make)
     thread.start()
-    thread.join()
+    thread.join(timeout=30)
+    if not made:
+        raise OSError(f"making a socket in {netns} did not finish")
     if isinstance(made[0], OSError):
         raise made[0]
     return made[0]

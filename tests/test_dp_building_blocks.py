@@ -127,4 +127,4 @@ def test_a_collective_with_a_dead_or_stuck_peer_fails_within_the_group_timeout(h
     finally:
         for p in procs:
             p.kill()
-            p.wait()
+            p.wait(60)

@@ -520,10 +520,11 @@ def test_router_workers_share_the_port_and_die_with_their_parent(cluster, tmp_pa
         results: dict = {}
         _stream_all(router.url, prompts, 8, results)
         for t in results.pop("threads"):
-            t.join()
+            t.join(timeout=300)
+            assert not t.is_alive(), "a stream never ended"
         assert results == {i: ("completed", 8) for i in range(len(prompts))}
         router.proc.kill()
-        router.proc.wait()
+        router.proc.wait(30)
         deadline = time.monotonic() + 20
         while os.path.exists(f"/proc/{worker}") and _state(worker) != "Z":
             assert time.monotonic() < deadline, "the worker outlived its parent"
