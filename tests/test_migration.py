@@ -220,8 +220,8 @@ def test_the_router_resumes_what_each_output_has_and_nothing_that_ended():
     with the job's fixed seed and no prompt log-probs."""
     import asyncio
 
+    from pdinfer.serving.pd_job import PDJob
     from pdinfer.serving.pd_protocol import OutputDelta
-    from pdinfer.serving.router_pd import PDJob
 
     job = PDJob(0, "r", [1, 2, 3], {"n": 3, "max_tokens": 9, "prompt_logprobs": 2}, asyncio.Queue())
     seed = job.sampling["seed"]

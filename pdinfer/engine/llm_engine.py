@@ -94,15 +94,7 @@ class LLMEngine:
         self.eplb: ExpertLoadBalancer | None = None  # MoE with expert parallelism or replicas
         if self.model_runner.moe_layers:
             self.eplb = ExpertLoadBalancer(self.model_runner.moe_layers, self.moe_config, expert_group, self.executor)
-        site = StoreSite(
-            self.block_manager,
-            self.model_runner.require_cache(),
-            self.scheduler,
-            self.executor,
-            self.role.loads_kv_store,
-            self.role.saves_kv_store,
-        )
-        self.kv_store = KVStoreAgent.create(engine_args, lambda: kv_layout(self), site)  # None without kv_store
+        self.kv_store = self._open_kv_store()  # None unless EngineArgs.kv_store is set
         self.step_builder = StepBuilder()
         self.requests: dict[str, RequestState] = {}
         self.output_processor = OutputProcessor(
@@ -195,6 +187,17 @@ class LLMEngine:
             self.init_pd_split()
         if self.use_cuda_graph:  # the warm-up step: capture decode graphs over the real cache
             self.model_runner.capture_cuda_graphs(decode_graph_rows(self.args), sc.max_model_len)
+
+    def _open_kv_store(self) -> KVStoreAgent | None:
+        site = StoreSite(
+            self.block_manager,
+            self.model_runner.require_cache(),
+            self.scheduler,
+            self.executor,
+            self.role.loads_kv_store,
+            self.role.saves_kv_store,
+        )
+        return KVStoreAgent.create(self.args, lambda: kv_layout(self), site)
 
     def _state_manager(self) -> StateManager | None:
         """State slots only for models with per-sequence state (none of the Llama family)."""

@@ -47,10 +47,11 @@ from pdinfer.serving.load_balancer import (
     NormalBalancer,
     PrefillBalancer,
 )
+from pdinfer.serving.pd_job import PDJob
 from pdinfer.serving.pd_protocol import OutputDelta, sampling_to_dict
 from pdinfer.serving.prompt_echo import PromptEcho
 from pdinfer.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from pdinfer.serving.router_pd import PDDriver, PDJob
+from pdinfer.serving.router_pd import PDDriver
 from pdinfer.serving.router_pool import EnginePool, RouterMetrics
 
 logger = logging.getLogger("pdinfer")

@@ -16,7 +16,7 @@ Migration (``docs/kv-transfer.md``): the job records every token its CEs sent, p
 Once it has tokens, a new attempt does not start over: it resumes (``outputs.Resume``) from
 them, through a PE that prefills prompt + tokens so far and a CE that decodes on, so the
 client's answer goes on with no gap, repeat or error, and greedy or seeded output equals an
-unmigrated run (the job's seed is fixed here, so an unseeded request keeps its random stream).
+unmigrated run (``PDJob`` fixes the seed, so an unseeded request keeps its random stream).
 An attempt that brought tokens and then ended (the CE ran out of blocks, was drained, died) is
 a migration, never counted against ``max_attempts``; one that brought none is a retry, as
 before. With ``n > 1``, the outputs still running when a CE gave up are resumed one after
@@ -30,15 +30,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
-from dataclasses import dataclass, field
 
-from pdinfer.outputs import MIGRATE_DRAIN, MIGRATE_PREEMPTED, PromptLogprobs, Resume
-from pdinfer.sampling_params import SEED_BITS
+from pdinfer.outputs import MIGRATE_DRAIN, MIGRATE_PREEMPTED
 from pdinfer.serving import upstream
 from pdinfer.serving.load_balancer import Assignment, DecodeBalancer, Engine, PrefillBalancer
-from pdinfer.serving.pd_protocol import DecodeEvent, OutputDelta, decode_event, prompt_logprobs_of
+from pdinfer.serving.pd_job import GIVEN_UP, PDJob, without_give_up
+from pdinfer.serving.pd_protocol import DecodeEvent, decode_event, prompt_logprobs_of
 from pdinfer.serving.protocol import APIError
 from pdinfer.serving.router_pool import EnginePool, RouterMetrics
 
@@ -52,126 +50,16 @@ _BACKGROUND_GRACE_S = 2.0  # at shutdown, how long PE answers still to come may 
 
 
 class Retry(Exception):
-    """This attempt failed before any token was streamed; ``exclude`` the engine at fault."""
+    """This attempt failed; ``exclude`` the engine at fault. The job's record says whether it
+    is a retry (no token yet) or a migration (``PDDriver.drive``)."""
 
     def __init__(self, reason: str, message: str, exclude: str | None = None):
         super().__init__(message)
         self.reason, self.exclude = reason, exclude
 
 
-# The finish reasons of a CE that gave an output up (preempted, or aborted by a drain): the
-# output goes on elsewhere, so they never reach the client.
-_GIVEN_UP = ("error", "abort")
 # A CE's ``migrate`` reason -> the reason the router counts (and retries) it under.
 _MIGRATE_REASONS = {MIGRATE_PREEMPTED: "decode_preempted", MIGRATE_DRAIN: "drain"}
-
-
-@dataclass
-class Progress:
-    """What the job's CEs sent of one output: the state a migration carries on from."""
-
-    token_ids: list[int] = field(default_factory=list)
-    num_chars: int = 0  # text characters relayed
-    finish_reason: str | None = None  # a real end ("stop", "length"), never a CE's give-up
-
-
-@dataclass
-class PDJob:
-    """One prompt of a client request. The driver puts ``(index, kind, payload)`` on ``queue``:
-    ("outputs", [OutputDelta]), ("done", None) or ("error", APIError)."""
-
-    index: int
-    request_id: str
-    token_ids: list[int]
-    sampling: dict
-    queue: asyncio.Queue
-    # A whole (non-streamed) answer: outputs wait here until the job finished.
-    whole: bool = False
-    arrival_s: float = field(default_factory=time.monotonic)
-    attempt: int = 0
-    first_token_s: float | None = None
-    num_tokens: int = 0  # the longest choice so far, in this attempt
-    prompt_logprobs: PromptLogprobs | None = None  # from the PE, before any output is delivered
-    unsent: list[list[OutputDelta]] = field(default_factory=list)
-    progress: dict[int, Progress] = field(default_factory=dict)  # output index -> what it has
-    resume: Resume | None = None  # what this attempt continues (None: a fresh start)
-    given_up_s: float | None = None  # when a CE last gave the job up (migration latency)
-
-    def __post_init__(self) -> None:
-        # A seed fixed here: a resumed output draws from the same random stream (the sampler
-        # keys it by seed and position), seeded by the client or not. Per job, so that equal
-        # unseeded prompts of one request still differ.
-        if self.sampling.get("seed") is None:
-            self.sampling = {**self.sampling, "seed": random.getrandbits(SEED_BITS)}
-
-    @property
-    def n(self) -> int:
-        return self.sampling.get("n") or 1
-
-    @property
-    def has_tokens(self) -> bool:
-        return any(p.token_ids for p in self.progress.values())
-
-    @property
-    def num_job_tokens(self) -> int:
-        return sum(len(p.token_ids) for p in self.progress.values())
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.resume is None and self.sampling.get("prompt_logprobs") is not None
-
-    def next_resume(self) -> Resume | None:
-        """The output the next attempt continues; None for a fresh start (no tokens yet)."""
-        if not self.has_tokens:
-            return None
-        for index in range(self.n):
-            done = self.progress.get(index, Progress())
-            if done.finish_reason is None:
-                return Resume(list(done.token_ids), index, done.num_chars)
-        return None
-
-    @property
-    def done(self) -> bool:
-        return self.has_tokens and all(
-            self.progress.get(i, Progress()).finish_reason is not None for i in range(self.n)
-        )
-
-    def body(self) -> dict:
-        """This attempt's request to the engines."""
-        body: dict = {"request_id": f"{self.request_id}-a{self.attempt}", "prompt_token_ids": self.token_ids}
-        if self.resume is None:
-            body["sampling"] = self.sampling
-        else:  # one output, on from its tokens; the client has the prompt's log-probs
-            body["sampling"] = {**self.sampling, "n": 1, "prompt_logprobs": None}
-            body["resume"] = {
-                "token_ids": self.resume.token_ids,
-                "index": self.resume.index,
-                "num_shown_chars": self.resume.num_shown_chars,
-            }
-        return body
-
-    def deliver(self, outputs: list[OutputDelta]) -> None:
-        for delta in outputs:
-            done = self.progress.setdefault(delta.index, Progress())
-            done.token_ids += delta.token_ids
-            done.num_chars += len(delta.text)
-            if delta.finish_reason is not None:
-                done.finish_reason = delta.finish_reason
-        if self.whole:
-            self.unsent.append(outputs)
-            return
-        self.queue.put_nowait((self.index, "outputs", outputs))
-
-    def start_attempt(self) -> None:
-        self.attempt += 1
-        self.num_tokens = 0
-        self.resume = self.next_resume()
-
-    def finish(self) -> None:
-        for outputs in self.unsent:
-            self.queue.put_nowait((self.index, "outputs", outputs))
-        self.unsent = []
-        self.queue.put_nowait((self.index, "done", None))
 
 
 def _error(resp: upstream.UpstreamResponse, body: bytes) -> tuple[str, str | None, str | None]:
@@ -464,7 +352,7 @@ class PDDriver:
         (``migrate``) ends the attempt with its tokens relayed and its give-up finishes held
         back: the next attempt resumes those outputs."""
         migrate = event.migrate if event.finished else None
-        outputs = [_without_give_up(d) if d.finish_reason in _GIVEN_UP else d for d in event.outputs]
+        outputs = [without_give_up(d) if d.finish_reason in GIVEN_UP else d for d in event.outputs]
         num_new = sum(len(d.token_ids) for d in outputs)
         error = event.error if event.finished and migrate is None else None
         if error and not job.has_tokens:  # nothing came yet: another attempt may run
@@ -489,7 +377,3 @@ class PDDriver:
                 503, f"the engine could not finish the request: {error}", type="server_error", code="engine_error"
             )
         return event.finished
-
-
-def _without_give_up(delta: OutputDelta) -> OutputDelta:
-    return OutputDelta(delta.index, delta.text, delta.token_ids, None, delta.logprobs)
