@@ -41,7 +41,7 @@ from pdinfer.engine.kv_store_agent import KVStoreAgent, StoreSite
 from pdinfer.engine.output_processor import OutputProcessor
 from pdinfer.engine.output_tracker import OutputTracker
 from pdinfer.engine.pd_common import NoRoomError, Reservation, kv_layout
-from pdinfer.engine.request import RequestState, fork_seed
+from pdinfer.engine.request import RequestState, resume_seq
 from pdinfer.engine.roles import Role, make_role
 from pdinfer.engine.speculative import build_draft_pool, decode_graph_rows, mtp_cache_layers
 from pdinfer.engine.step_builder import InFlight, StepBuilder
@@ -307,7 +307,7 @@ class LLMEngine:
         seq.grammar = grammar
         if resume is not None:
             # an output of n > 1 may have had no token yet when its request left
-            _resume(seq, resume, self._check_token_ids(resume.token_ids) if resume.token_ids else [])
+            resume_seq(seq, resume, self._check_token_ids(resume.token_ids) if resume.token_ids else [])
         self.scheduler.admit(seq)  # refuses what the KV cache can never hold (before anything is kept)
         state = RequestState(request_id, text, token_ids, params, [seq])
         if arrival_time is not None:
@@ -696,30 +696,6 @@ def _device_and_dtype(args: EngineArgs) -> tuple[torch.device, torch.dtype]:
     if device.type == "cpu" and args.num_threads is None and os.cpu_count():
         torch.set_num_threads(os.cpu_count() or 1)
     return device, dtype
-
-
-def _resume(seq: Sequence, resume: Resume, token_ids: list[int]) -> None:
-    """Make ``seq`` the continuation of an output another engine started: its tokens so far
-    are outputs already reported (never sent again), under the output's own seed and index,
-    and a structured output's matcher has read them."""
-    params = seq.sampling_params
-    if params.n != 1:
-        raise ValueError("a resumed request continues one output: n must be 1")
-    if params.prompt_logprobs is not None:
-        raise ValueError("a resumed request cannot ask for prompt_logprobs (its client has them)")
-    if not 0 <= resume.index < 1 << 16:
-        raise ValueError(f"resume.index must be in [0, 65536), got {resume.index}")
-    if resume.num_shown_chars < 0:
-        raise ValueError("resume.num_shown_chars must be >= 0")
-    if len(token_ids) >= seq.max_tokens:
-        raise ValueError(f"resume has {len(token_ids)} tokens: nothing is left of max_tokens ({seq.max_tokens})")
-    seq.index, seq.seed = resume.index, fork_seed(seq.seed, resume.index)
-    seq.token_ids += token_ids
-    seq.num_resumed_tokens = seq.num_reported_tokens = len(token_ids)
-    if params.logprobs is not None:  # placeholders: the client has these tokens' log-probs
-        seq.output_logprobs = [{} for _ in token_ids]
-    if seq.grammar is not None and not all(seq.grammar.accept(token) for token in token_ids):
-        raise ValueError("the resumed tokens do not match the request's structured output")
 
 
 def _no_bools(token_ids):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pdinfer.outputs import MIGRATE_PREEMPTED, PromptLogprobs, RequestDelta, SeqDelta
+from pdinfer.outputs import MIGRATE_PREEMPTED, PromptLogprobs, RequestDelta, Resume, SeqDelta
 from pdinfer.sampling_params import SamplingParams
 from pdinfer.sequence import Sequence, SequenceStatus
 
@@ -15,6 +15,30 @@ def fork_seed(seed: int, index: int) -> int:
     if index == 0:
         return seed
     return (seed * 1_000_003 + index * 0x9E3779B1) & 0x7FFFFFFF
+
+
+def resume_seq(seq: Sequence, resume: Resume, token_ids: list[int]) -> None:
+    """Make ``seq`` the continuation of an output another engine started: its tokens so far
+    are outputs already reported (never sent again), under the output's own seed and index,
+    and a structured output's matcher has read them."""
+    params = seq.sampling_params
+    if params.n != 1:
+        raise ValueError("a resumed request continues one output: n must be 1")
+    if params.prompt_logprobs is not None:
+        raise ValueError("a resumed request cannot ask for prompt_logprobs (its client has them)")
+    if not 0 <= resume.index < 1 << 16:
+        raise ValueError(f"resume.index must be in [0, 65536), got {resume.index}")
+    if resume.num_shown_chars < 0:
+        raise ValueError("resume.num_shown_chars must be >= 0")
+    if len(token_ids) >= seq.max_tokens:
+        raise ValueError(f"resume has {len(token_ids)} tokens: nothing is left of max_tokens ({seq.max_tokens})")
+    seq.index, seq.seed = resume.index, fork_seed(seq.seed, resume.index)
+    seq.token_ids += token_ids
+    seq.num_resumed_tokens = seq.num_reported_tokens = len(token_ids)
+    if params.logprobs is not None:  # placeholders: the client has these tokens' log-probs
+        seq.output_logprobs = [{} for _ in token_ids]
+    if seq.grammar is not None and not all(seq.grammar.accept(token) for token in token_ids):
+        raise ValueError("the resumed tokens do not match the request's structured output")
 
 
 @dataclass
